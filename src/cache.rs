@@ -1,0 +1,218 @@
+//! The KV cache of one request in wasm linear memory.
+//!
+//! `append` mode keeps, for each layer, a key and a value buffer `[rows, kv_heads, capacity,
+//! head_dim]` that is handed to the graph as its past (zero-copy: the graph sees the buffer
+//! itself); the attention mask hides the free positions of each row. After a step the new
+//! positions are copied from the graph's `present` outputs into each row's free positions, in
+//! place. The buffer is reallocated only when a row outgrows it (doubling).
+//!
+//! `grow` mode keeps the graph's `present` outputs as they are: their length is the exact
+//! length of every row.
+
+use std::sync::Arc;
+
+use tract_onnx::prelude::*;
+
+use crate::error::{backend, Error, Result};
+use crate::model::signature::Dtype;
+
+/// One layer's key or value cache tensor.
+pub type CacheTensor = Arc<Tensor>;
+
+/// Cache buffers of every layer, with the length of each row.
+#[derive(Debug)]
+pub struct KvCache {
+    pub dtype: Dtype,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Per layer, `(key, value)`.
+    pub layers: Vec<(CacheTensor, CacheTensor)>,
+    /// Valid positions of each row.
+    pub lengths: Vec<usize>,
+}
+
+impl KvCache {
+    /// Empty buffers of `capacity` positions for `rows` rows.
+    pub fn new(
+        layers: usize,
+        rows: usize,
+        heads: usize,
+        capacity: usize,
+        head_dim: usize,
+        dtype: Dtype,
+    ) -> Result<Self> {
+        let make = || zeros(dtype, &[rows, heads, capacity, head_dim]).map(Arc::new);
+        let layers = (0..layers)
+            .map(|_| Ok((make()?, make()?)))
+            .collect::<Result<_>>()?;
+        Ok(KvCache {
+            dtype,
+            heads,
+            head_dim,
+            layers,
+            lengths: vec![0; rows],
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.lengths.len()
+    }
+
+    /// Positions each row can hold (axis 2 of the buffers).
+    pub fn capacity(&self) -> usize {
+        self.layers.first().map(|(k, _)| k.shape()[2]).unwrap_or(0)
+    }
+
+    /// Make room for `needed` positions per row, doubling the capacity when it grows.
+    pub fn reserve(&mut self, needed: usize) -> Result<()> {
+        let cap = self.capacity();
+        if needed <= cap {
+            return Ok(());
+        }
+        let new_cap = needed.max(cap * 2);
+        for (k, v) in self.layers.iter_mut() {
+            *k = Arc::new(resize_positions(k, new_cap, self.dtype)?);
+            *v = Arc::new(resize_positions(v, new_cap, self.dtype)?);
+        }
+        Ok(())
+    }
+
+    /// Copy positions `from..from + counts[r]` of `present` (shape `[rows, heads, P, dim]`)
+    /// into row `r` at its length, for every row, then advance the lengths.
+    pub fn append(
+        &mut self,
+        layer: usize,
+        present_key: &Tensor,
+        present_value: &Tensor,
+        from: usize,
+        counts: &[usize],
+    ) -> Result<()> {
+        let lengths = self.lengths.clone();
+        let (k, v) = &mut self.layers[layer];
+        for (buf, present) in [(k, present_key), (v, present_value)] {
+            let buf = Arc::get_mut(buf).ok_or_else(|| {
+                Error::Backend("the KV cache is still borrowed by the graph".into())
+            })?;
+            match self.dtype {
+                Dtype::F32 => copy_rows::<f32>(buf, present, from, &lengths, counts)?,
+                Dtype::F16 => copy_rows::<f16>(buf, present, from, &lengths, counts)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Advance row lengths after every layer was appended.
+    pub fn advance(&mut self, counts: &[usize]) {
+        for (l, c) in self.lengths.iter_mut().zip(counts) {
+            *l += c;
+        }
+    }
+
+    /// Row `r` becomes the old row `parents[r]`.
+    pub fn reorder(&mut self, parents: &[usize]) -> Result<()> {
+        let rows = self.rows();
+        if let Some(&bad) = parents.iter().find(|&&p| p >= rows) {
+            return Err(Error::InvalidInput(format!(
+                "reorder: parent row {bad} of {rows} rows"
+            )));
+        }
+        for (k, v) in self.layers.iter_mut() {
+            *k = Arc::new(gather_rows(k, parents)?);
+            *v = Arc::new(gather_rows(v, parents)?);
+        }
+        self.lengths = parents.iter().map(|&p| self.lengths[p]).collect();
+        Ok(())
+    }
+}
+
+pub fn zeros(dtype: Dtype, shape: &[usize]) -> Result<Tensor> {
+    let dt = match dtype {
+        Dtype::F32 => f32::datum_type(),
+        Dtype::F16 => f16::datum_type(),
+    };
+    Tensor::zero_dt(dt, shape).map_err(backend)
+}
+
+fn copy_rows<T: Datum + Copy>(
+    buf: &mut Tensor,
+    present: &Tensor,
+    from: usize,
+    lengths: &[usize],
+    counts: &[usize],
+) -> Result<()> {
+    let (rows, heads, cap, dim) = dims4(buf)?;
+    let (prows, pheads, plen, pdim) = dims4(present)?;
+    if prows != rows || pheads != heads || pdim != dim {
+        return Err(Error::Backend(format!(
+            "present shape {:?} does not match the cache {:?}",
+            present.shape(),
+            buf.shape()
+        )));
+    }
+    let src = present
+        .try_as_plain_ram()
+        .map_err(backend)?
+        .as_slice::<T>()
+        .map_err(backend)?;
+    let mut view = buf.try_as_plain_ram_mut().map_err(backend)?;
+    let dst = view.as_slice_mut::<T>().map_err(backend)?;
+    for r in 0..rows {
+        let n = counts[r];
+        if n == 0 {
+            continue;
+        }
+        if lengths[r] + n > cap || from + n > plen {
+            return Err(Error::Backend(format!(
+                "cache row {r}: {} + {n} positions exceed capacity {cap}",
+                lengths[r]
+            )));
+        }
+        for h in 0..heads {
+            let s = ((r * heads + h) * plen + from) * dim;
+            let d = ((r * heads + h) * cap + lengths[r]) * dim;
+            dst[d..d + n * dim].copy_from_slice(&src[s..s + n * dim]);
+        }
+    }
+    Ok(())
+}
+
+fn dims4(t: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    match t.shape() {
+        &[a, b, c, d] => Ok((a, b, c, d)),
+        s => Err(Error::Backend(format!(
+            "expected a 4-D cache tensor, got shape {s:?}"
+        ))),
+    }
+}
+
+/// A copy of `t` with axis 2 resized to `cap` (zero-filled beyond the old positions).
+fn resize_positions(t: &Tensor, cap: usize, dtype: Dtype) -> Result<Tensor> {
+    let (rows, heads, old, dim) = dims4(t)?;
+    let mut out = zeros(dtype, &[rows, heads, cap, dim])?;
+    let keep = old.min(cap);
+    let bytes = t.datum_type().size_of();
+    let src = t.as_bytes();
+    let dst = out.as_bytes_mut();
+    for rh in 0..rows * heads {
+        let s = rh * old * dim * bytes;
+        let d = rh * cap * dim * bytes;
+        dst[d..d + keep * dim * bytes].copy_from_slice(&src[s..s + keep * dim * bytes]);
+    }
+    Ok(out)
+}
+
+/// Rows `parents` of `t` along axis 0.
+pub fn gather_rows(t: &Tensor, parents: &[usize]) -> Result<Tensor> {
+    let shape = t.shape().to_vec();
+    let row_elems: usize = shape[1..].iter().product();
+    let bytes = t.datum_type().size_of() * row_elems;
+    let mut new_shape = shape.clone();
+    new_shape[0] = parents.len();
+    let mut out = Tensor::zero_dt(t.datum_type(), &new_shape).map_err(backend)?;
+    let src = t.as_bytes();
+    let dst = out.as_bytes_mut();
+    for (r, &p) in parents.iter().enumerate() {
+        dst[r * bytes..(r + 1) * bytes].copy_from_slice(&src[p * bytes..(p + 1) * bytes]);
+    }
+    Ok(out)
+}

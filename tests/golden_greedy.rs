@@ -1,0 +1,61 @@
+//! Golden parity: every greedy case of the decoder-only fixtures, token ids exact and scores
+//! within 1e-4, across the three cache modes and the merged decoder.
+
+mod support;
+
+use std::path::PathBuf;
+
+use onnx_generate::{Model, ModelFiles};
+use support::golden::{self, Outcome};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// Run the cases of `name` selected by `select`; every one must pass (none skipped).
+fn run(name: &str, select: impl Fn(&serde_json::Value) -> bool) {
+    let dir = fixtures().join("models").join(name);
+    let model = Model::load(&ModelFiles::from_dir(&dir, None).unwrap()).unwrap();
+    let golden = golden::load(&fixtures().join("golden").join(format!("{name}.json")));
+    let mut ran = 0;
+    let mut failures = vec![];
+    for case in golden::cases(&golden).iter().filter(|c| select(c)) {
+        let result = golden::run_case(&model, case);
+        ran += 1;
+        if result.outcome != Outcome::Passed {
+            failures.push(format!("{}: {:?}", result.id, result.outcome));
+        }
+    }
+    assert!(ran > 0, "no case selected in {name}");
+    assert!(
+        failures.is_empty(),
+        "{name}: {} of {ran} cases failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Greedy cases without sampling, beams or processors.
+fn plain_greedy(case: &serde_json::Value) -> bool {
+    golden::has_tag(case, "plain_greedy")
+}
+
+#[test]
+fn llama_append_greedy() {
+    run("llama", plain_greedy);
+}
+
+#[test]
+fn gpt2_append_greedy() {
+    run("gpt2", plain_greedy);
+}
+
+#[test]
+fn gpt2_nopos_grow_greedy() {
+    run("gpt2-nopos", plain_greedy);
+}
+
+#[test]
+fn gpt2_merged_greedy() {
+    run("gpt2-merged", plain_greedy);
+}

@@ -1,0 +1,224 @@
+//! Runs the cases of a golden file (format: tests/fixtures/README.md) against a loaded model.
+//! Shared by the integration tests and `examples/golden.rs`.
+#![allow(dead_code)]
+
+use onnx_generate::{Error, Generation, Model};
+use serde_json::Value;
+
+/// Tolerance on scores (transition scores, sequence scores).
+pub const SCORE_TOLERANCE: f32 = 1e-4;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Passed,
+    /// What differed.
+    Failed(String),
+    /// The feature the engine lacks.
+    Skipped(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct CaseResult {
+    pub id: String,
+    pub outcome: Outcome,
+}
+
+/// Load a golden file.
+pub fn load(path: &std::path::Path) -> Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+/// The cases of a golden file.
+pub fn cases(golden: &Value) -> Vec<Value> {
+    golden["cases"].as_array().cloned().unwrap_or_default()
+}
+
+/// Whether the case has `tag`.
+pub fn has_tag(case: &Value, tag: &str) -> bool {
+    case["tags"]
+        .as_array()
+        .is_some_and(|t| t.iter().any(|x| x == tag))
+}
+
+/// Run one case.
+pub fn run_case(model: &Model, case: &Value) -> CaseResult {
+    let id = case["id"].as_str().unwrap_or("?").to_owned();
+    let outcome = match case["kind"].as_str() {
+        Some("generate") => run_generate(model, case),
+        Some(kind) => Outcome::Skipped(format!("case kind `{kind}`")),
+        None => Outcome::Failed("the case has no kind".into()),
+    };
+    CaseResult { id, outcome }
+}
+
+fn prompts(case: &Value) -> Vec<Vec<u32>> {
+    case["prompts"]
+        .as_array()
+        .map(|ps| ps.iter().map(|p| ids(&p["ids"])).collect())
+        .unwrap_or_default()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn floats(v: &Value) -> Option<Vec<f32>> {
+    v.as_array().map(|a| {
+        a.iter()
+            .filter_map(|x| x.as_f64())
+            .map(|x| x as f32)
+            .collect()
+    })
+}
+
+fn run_generate(model: &Model, case: &Value) -> Outcome {
+    let mut options = case["generation_kwargs"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    let want_scores = case["request"]["output_scores"].as_bool().unwrap_or(false);
+    if want_scores {
+        options.insert("output_scores".into(), true.into());
+    }
+    let prompts = prompts(case);
+    let mut generation = match Generation::new(model, &prompts, &options, vec![]) {
+        Ok(g) => g,
+        Err(Error::Unsupported(m)) => return Outcome::Skipped(m),
+        Err(e) => return Outcome::Failed(format!("error: {e}")),
+    };
+    let mut events = vec![];
+    while !generation.is_finished() {
+        match generation.step(model) {
+            Ok(e) => events.extend(e),
+            Err(Error::Unsupported(m)) => return Outcome::Skipped(m),
+            Err(e) => return Outcome::Failed(format!("error: {e}")),
+        }
+    }
+    let output = match generation.output(model) {
+        Ok(o) => o,
+        Err(e) => return Outcome::Failed(format!("error: {e}")),
+    };
+    let expected = case["expected"].as_array().cloned().unwrap_or_default();
+    if expected.len() != output.sequences.len() {
+        return Outcome::Failed(format!(
+            "{} prompts expected, got {}",
+            expected.len(),
+            output.sequences.len()
+        ));
+    }
+    let mut problems = vec![];
+    for (p, (want_seqs, got_seqs)) in expected.iter().zip(&output.sequences).enumerate() {
+        let want_seqs = want_seqs.as_array().cloned().unwrap_or_default();
+        if want_seqs.len() != got_seqs.len() {
+            problems.push(format!(
+                "prompt {p}: {} sequences expected, got {}",
+                want_seqs.len(),
+                got_seqs.len()
+            ));
+            continue;
+        }
+        for (s, (want, got)) in want_seqs.iter().zip(got_seqs).enumerate() {
+            let at = format!("prompt {p} sequence {s}");
+            let want_ids = ids(&want["new_token_ids"]);
+            if want_ids != got.token_ids {
+                problems.push(format!(
+                    "{at}: expected ids {want_ids:?}, got {:?}",
+                    got.token_ids
+                ));
+                continue;
+            }
+            let reason = want["finish_reason"].as_str().unwrap_or("");
+            if reason != got.finish_reason.as_str() {
+                problems.push(format!(
+                    "{at}: expected finish {reason}, got {}",
+                    got.finish_reason.as_str()
+                ));
+            }
+            if let Some(text) = want["text"].as_str() {
+                if text != got.text {
+                    problems.push(format!("{at}: expected text {text:?}, got {:?}", got.text));
+                }
+            }
+            for (key, got_scores) in [
+                ("transition_scores", &got.scores),
+                ("transition_scores_normalized", &got.logprobs),
+            ] {
+                let Some(want_scores) = floats(&want[key]) else {
+                    continue;
+                };
+                match got_scores {
+                    None => problems.push(format!("{at}: no {key} returned")),
+                    Some(g) => {
+                        if let Some(msg) = compare_scores(&want_scores, g) {
+                            problems.push(format!("{at}: {key} {msg}"));
+                        }
+                    }
+                }
+            }
+            if let Some(want_score) = want["sequence_score"].as_f64() {
+                match got.sequence_score {
+                    Some(g) if (g - want_score as f32).abs() <= SCORE_TOLERANCE => {}
+                    g => problems.push(format!(
+                        "{at}: expected sequence_score {want_score}, got {g:?}"
+                    )),
+                }
+            }
+        }
+    }
+    // The stream of events: per row, deltas concatenate to the text, `finished` on the last.
+    for (p, seqs) in output.sequences.iter().enumerate() {
+        if seqs.len() != 1 {
+            continue;
+        }
+        let row: Vec<_> = events.iter().filter(|e| e.row == p).collect();
+        let text: String = row.iter().map(|e| e.text.as_str()).collect();
+        if text != seqs[0].text {
+            problems.push(format!(
+                "prompt {p}: streamed text {text:?} != final text {:?}",
+                seqs[0].text
+            ));
+        }
+        if row.last().map(|e| e.finished.is_some()) != Some(true)
+            || row.iter().rev().skip(1).any(|e| e.finished.is_some())
+        {
+            problems.push(format!(
+                "prompt {p}: `finished` is not set on the last event only"
+            ));
+        }
+    }
+    if problems.is_empty() {
+        Outcome::Passed
+    } else {
+        Outcome::Failed(problems.join("; "))
+    }
+}
+
+fn compare_scores(want: &[f32], got: &[f32]) -> Option<String> {
+    if want.len() != got.len() {
+        return Some(format!("length {} expected, got {}", want.len(), got.len()));
+    }
+    let worst = want
+        .iter()
+        .zip(got)
+        .map(|(w, g)| (w - g).abs())
+        .enumerate()
+        .fold(
+            (0, 0.0f32),
+            |a, (i, d)| if d > a.1 || d.is_nan() { (i, d) } else { a },
+        );
+    (worst.1 > SCORE_TOLERANCE || worst.1.is_nan()).then(|| {
+        format!(
+            "differ by {} at step {} (expected {}, got {})",
+            worst.1, worst.0, want[worst.0], got[worst.0]
+        )
+    })
+}
