@@ -13,6 +13,8 @@ use crate::processors::{Chain, LogitsProcessor, RowContext};
 use crate::search;
 use crate::tokenizer::TextStream;
 
+mod beams;
+
 /// Why a row stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -106,6 +108,8 @@ pub struct Generation {
     rows: Vec<Row>,
     groups: Vec<Group>,
     steps: usize,
+    /// Beam search (`num_beams > 1`) runs its own path; `rows` and `groups` are then unused.
+    beams: Option<beams::BeamRun>,
 }
 
 impl Generation {
@@ -130,9 +134,11 @@ impl Generation {
         if prompts.is_empty() {
             return invalid!("no prompt was given");
         }
-        if config.num_beams > 1 {
+        if config.num_beams > 1 && config.do_sample {
             return Err(Error::Unsupported(
-                "beam search (num_beams > 1) is not implemented yet".into(),
+                "beam sampling (`do_sample` with `num_beams` > 1) is not supported: use \
+                 `num_beams` > 1 without sampling, or sampling with `num_beams` 1"
+                    .into(),
             ));
         }
         if config.num_return_sequences > config.num_beams && !config.do_sample {
@@ -142,11 +148,17 @@ impl Generation {
                 config.num_beams
             );
         }
+        if let Some(seeds) = &config.seed {
+            if seeds.len() != 1 && seeds.len() != prompts.len() {
+                return invalid!(
+                    "`seed` has {} values for {} prompts: give one seed, or one per prompt",
+                    seeds.len(),
+                    prompts.len()
+                );
+            }
+        }
         let vocab = model.vocab_size();
         for (r, p) in prompts.iter().enumerate() {
-            if p.is_empty() {
-                return invalid!("prompt {r} is empty: a prompt needs at least one token");
-            }
             if let Some((i, &t)) = p.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
                 return invalid!(
                     "token id {t} at position {i} of prompt {r} is outside the vocabulary (0..{vocab})"
@@ -154,6 +166,17 @@ impl Generation {
             }
         }
         let chain = Chain::build(&config, vocab, custom)?;
+        if config.num_beams > 1 {
+            let beams = Some(beams::BeamRun::new(model, prompts, &config)?);
+            return Ok(Generation {
+                config,
+                chain,
+                rows: vec![],
+                groups: vec![],
+                steps: 0,
+                beams,
+            });
+        }
         let rows: Vec<Row> = prompts
             .iter()
             .map(|p| Row {
@@ -163,7 +186,8 @@ impl Generation {
                 // transformers stops on `cur_len >= max_length` after each new token, so a row
                 // whose prompt already reaches `max_length` still gets one token.
                 budget: config.new_token_budget(p.len()).max(1),
-                finish: None,
+                // An empty prompt is a padding row: it yields no token.
+                finish: p.is_empty().then_some(FinishReason::Length),
                 stream: TextStream::new(),
                 scores: vec![],
                 logprobs: vec![],
@@ -176,6 +200,7 @@ impl Generation {
             rows,
             groups,
             steps: 0,
+            beams: None,
         })
     }
 
@@ -186,6 +211,9 @@ impl Generation {
 
     /// Whether every row has stopped.
     pub fn is_finished(&self) -> bool {
+        if let Some(b) = &self.beams {
+            return b.is_finished();
+        }
         self.rows.iter().all(|r| r.finish.is_some())
     }
 
@@ -196,6 +224,13 @@ impl Generation {
 
     /// Run one decoder step and return the tokens it produced.
     pub fn step(&mut self, model: &Model) -> Result<Vec<TokenEvent>> {
+        if let Some(b) = &mut self.beams {
+            if b.is_finished() {
+                return Ok(vec![]);
+            }
+            self.steps += 1;
+            return b.step(model, &self.config, &mut self.chain);
+        }
         let Some(g) = self
             .groups
             .iter()
@@ -315,6 +350,9 @@ impl Generation {
 
     /// Stop every unfinished row (the caller aborted); the cache is released.
     pub fn abort(&mut self) {
+        if let Some(b) = &mut self.beams {
+            b.abort();
+        }
         for row in self.rows.iter_mut().filter(|r| r.finish.is_none()) {
             row.finish = Some(FinishReason::Abort);
         }
@@ -326,6 +364,11 @@ impl Generation {
 
     /// The result, once finished (or aborted).
     pub fn output(&self, model: &Model) -> Result<Output> {
+        if let Some(b) = &self.beams {
+            return Ok(Output {
+                sequences: b.output(model, &self.config)?,
+            });
+        }
         let sequences = self
             .rows
             .iter()
@@ -347,26 +390,34 @@ impl Generation {
 
 /// One group of all rows, or in `grow` mode one group per prompt length.
 fn group_rows(model: &Model, rows: &[Row]) -> Vec<Group> {
-    let make = |rows: Vec<usize>| Group {
-        active: rows.clone(),
-        rows,
-        state: None,
+    let lengths: Vec<usize> = rows.iter().map(|r| r.prompt_len).collect();
+    group_by_length(model, &lengths)
+        .into_iter()
+        .map(|rows| Group {
+            active: rows.clone(),
+            rows,
+            state: None,
+        })
+        .collect()
+}
+
+/// The rows that share a decoder state: all non-empty prompts, or in `grow` mode (where the
+/// rows of a step must have equal lengths) the prompts of each length, shortest first. Empty
+/// prompts are padding rows and run in no group.
+fn group_by_length(model: &Model, lengths: &[usize]) -> Vec<Vec<usize>> {
+    let real = |len: usize| {
+        (0..lengths.len()).filter(move |&r| lengths[r] > 0 && (len == 0 || lengths[r] == len))
     };
     if model.signature.cache_mode != crate::model::signature::CacheMode::Grow {
-        return vec![make((0..rows.len()).collect())];
+        let all: Vec<usize> = real(0).collect();
+        return if all.is_empty() { vec![] } else { vec![all] };
     }
-    let mut lengths: Vec<usize> = rows.iter().map(|r| r.prompt_len).collect();
-    lengths.sort_unstable();
-    lengths.dedup();
-    lengths
+    let mut distinct: Vec<usize> = lengths.iter().copied().filter(|&l| l > 0).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    distinct
         .into_iter()
-        .map(|len| {
-            make(
-                (0..rows.len())
-                    .filter(|&r| rows[r].prompt_len == len)
-                    .collect(),
-            )
-        })
+        .map(|len| real(len).collect())
         .collect()
 }
 

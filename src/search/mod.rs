@@ -1,6 +1,8 @@
 //! Choosing tokens from processed scores: greedy here; sampling and beam search in their own
 //! modules.
 
+pub mod beam;
+
 /// Index of the largest score (the first one on ties, as `torch.argmax`).
 pub fn argmax(scores: &[f32]) -> u32 {
     let mut best = 0;
