@@ -273,13 +273,20 @@ impl Generation {
         } else {
             1usize << (usize::BITS - 1 - most.leading_zeros())
         };
+        let may_differ = state.rows_may_differ();
         let tokens: Vec<&[u32]> = group
             .active
             .iter()
             .zip(&pending)
             .map(|(&r, &p)| {
                 let row = &self.rows[r];
-                &row.ids[row.fed..row.fed + p.min(chunk)]
+                if row.finish.is_some() && !may_differ && chunk > 0 {
+                    // `grow` mode: a finished row still in the batch takes a throwaway token,
+                    // so that the rows keep equal lengths.
+                    &row.ids[row.ids.len() - 1..]
+                } else {
+                    &row.ids[row.fed..row.fed + p.min(chunk)]
+                }
             })
             .collect();
         let logits = state.step(&tokens)?;
@@ -334,11 +341,13 @@ impl Generation {
             });
         }
 
-        // Rows that stopped leave the batch, so they cost no more work.
+        // Rows that stopped leave the batch, so they cost no more work, when the backend can
+        // run the smaller batch without compiling a plan for it (which costs more than it
+        // saves: see `examples/bench_batch.rs`); otherwise they sit the next steps out.
         let keep: Vec<usize> = (0..group.active.len())
             .filter(|&i| self.rows[group.active[i]].finish.is_none())
             .collect();
-        if !keep.is_empty() && keep.len() < group.active.len() {
+        if !keep.is_empty() && keep.len() < group.active.len() && state.is_ready_for(keep.len()) {
             state.reorder(&keep)?;
             group.active = keep.iter().map(|&i| group.active[i]).collect();
         } else if keep.is_empty() {

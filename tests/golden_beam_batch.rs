@@ -106,19 +106,37 @@ fn rows_equal_alone(name: &str, opts: Value) {
     for (p, prompt) in prompts.iter().enumerate() {
         let alone = generate(&model, std::slice::from_ref(prompt), &opts);
         assert_eq!(batch.sequences[p].len(), alone.sequences[0].len());
-        for (b, a) in batch.sequences[p].iter().zip(&alone.sequences[0]) {
-            assert_eq!(b.token_ids, a.token_ids, "{name} prompt {p}");
-            assert_eq!(b.finish_reason, a.finish_reason, "{name} prompt {p}");
-            for (x, y) in [(&b.scores, &a.scores), (&b.logprobs, &a.logprobs)] {
-                let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
-                assert_eq!(x.len(), y.len());
-                for (u, v) in x.iter().zip(y) {
-                    assert!((u - v).abs() < 1e-4, "{name} prompt {p}: {u} vs {v}");
-                }
+        assert_same(
+            &batch.sequences[p],
+            &alone.sequences[0],
+            &format!("{name} prompt {p}"),
+        );
+    }
+}
+
+/// Same tokens and finish reasons; scores within 1e-4 (a different batch size changes the
+/// order of sums in the matmuls).
+fn assert_same(x: &[onnx_generate::Sequence], y: &[onnx_generate::Sequence], at: &str) {
+    assert_eq!(x.len(), y.len(), "{at}");
+    for (b, a) in x.iter().zip(y) {
+        assert_eq!(b.token_ids, a.token_ids, "{at}");
+        assert_eq!(b.finish_reason, a.finish_reason, "{at}");
+        assert_eq!(b.text, a.text, "{at}");
+        for (x, y) in [(&b.scores, &a.scores), (&b.logprobs, &a.logprobs)] {
+            assert_eq!(x.is_some(), y.is_some(), "{at}");
+            let (x, y) = (x.as_deref().unwrap_or(&[]), y.as_deref().unwrap_or(&[]));
+            assert_eq!(x.len(), y.len(), "{at}");
+            for (u, v) in x.iter().zip(y) {
+                assert!((u - v).abs() < 1e-4, "{at}: {u} vs {v}");
             }
-            if let (Some(u), Some(v)) = (b.sequence_score, a.sequence_score) {
-                assert!((u - v).abs() < 1e-4, "{name} prompt {p}: {u} vs {v}");
-            }
+        }
+        assert_eq!(
+            b.sequence_score.is_some(),
+            a.sequence_score.is_some(),
+            "{at}"
+        );
+        if let (Some(u), Some(v)) = (b.sequence_score, a.sequence_score) {
+            assert!((u - v).abs() < 1e-4, "{at}: {u} vs {v}");
         }
     }
 }
@@ -171,7 +189,7 @@ fn empty_prompts_are_padding_rows_that_yield_nothing() {
             let alone = generate(&model, &prompts[1..2], &opts);
             assert!(out.sequences[0][0].token_ids.is_empty());
             assert!(out.sequences[2][0].token_ids.is_empty());
-            assert_eq!(out.sequences[1], alone.sequences[0], "{name}");
+            assert_same(&out.sequences[1], &alone.sequences[0], name);
             assert!(
                 rows.iter().all(|&r| r == 1),
                 "{name}: events of rows {rows:?}"
@@ -241,4 +259,74 @@ fn bad_beam_and_batch_requests_are_clear_errors() {
         &options(json!({"max_new_tokens": 3, "num_beams": 2})),
     );
     assert_eq!(out.sequences[0].len(), 1);
+}
+
+/// A row that stops early either sits the next steps out (no plan compiled yet for the smaller
+/// batch) or leaves the batch (plan ready): the results are the same, and equal each prompt
+/// run alone, in `append` and `grow` modes, greedy and beam.
+#[test]
+fn finished_rows_sit_out_or_leave_the_batch_with_the_same_result() {
+    for name in ["llama", "gpt2-nopos"] {
+        let prompts = vec![vec![5u32, 17, 200, 33], vec![40, 2, 9, 9], vec![7, 7, 7, 1]];
+        let probe = load(name);
+        let plain = generate(&probe, &prompts, &options(json!({"max_new_tokens": 8})));
+        let eos = plain.sequences[1][0].token_ids[1];
+        // For beams: eos tokens that end prompt 1's search at its first step (the first tokens
+        // of its two best hypotheses), and not the others'.
+        let beams = |eos: &[u32]| {
+            json!({"max_new_tokens": 8, "eos_token_id": eos, "num_beams": 2,
+                "early_stopping": true, "output_scores": true})
+        };
+        let free = generate(
+            &probe,
+            &prompts[1..2],
+            &options(
+                json!({"max_new_tokens": 1, "eos_token_id": null, "num_beams": 2,
+                "num_return_sequences": 2}),
+            ),
+        );
+        let beam_eos: Vec<u32> = free.sequences[0].iter().map(|s| s.token_ids[0]).collect();
+        let steps: Vec<usize> = prompts
+            .iter()
+            .map(|p| {
+                let opts = options(beams(&beam_eos));
+                let mut g =
+                    Generation::new(&probe, std::slice::from_ref(p), &opts, vec![]).unwrap();
+                while !g.is_finished() {
+                    g.step(&probe).unwrap();
+                }
+                g.steps()
+            })
+            .collect();
+        assert!(
+            steps[1] < steps[0] && steps[1] < steps[2],
+            "{name}: steps {steps:?}"
+        );
+        for opts in [
+            json!({"max_new_tokens": 8, "eos_token_id": eos, "output_scores": true}),
+            beams(&beam_eos),
+        ] {
+            let opts = options(opts);
+            // A fresh model: only the plans of 1 row and of the whole batch exist.
+            let model = load(name);
+            let sat_out = generate(&model, &prompts, &opts);
+            let plans = model.plans();
+            // Compile every smaller batch size, then run again: rows now leave the batch.
+            for rows in 1..prompts.len() * 2 {
+                let some: Vec<Vec<u32>> = (0..rows).map(|_| prompts[0].clone()).collect();
+                generate(&model, &some, &options(json!({"max_new_tokens": 1})));
+            }
+            assert!(model.plans() > plans, "{name}: no plan was added");
+            let left = generate(&model, &prompts, &opts);
+            for (p, prompt) in prompts.iter().enumerate() {
+                let at = format!("{name} prompt {p} {opts:?}");
+                assert_same(&sat_out.sequences[p], &left.sequences[p], &at);
+                let alone = generate(&model, std::slice::from_ref(prompt), &opts);
+                assert_same(&left.sequences[p], &alone.sequences[0], &at);
+            }
+            if !opts.contains_key("num_beams") {
+                assert_eq!(left.sequences[1][0].finish_reason, FinishReason::Eos);
+            }
+        }
+    }
 }

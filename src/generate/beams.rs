@@ -177,19 +177,35 @@ impl BeamRun {
                 row_scores.extend(std::iter::repeat_n(first, n));
             }
         } else {
-            let tokens: Vec<&[u32]> = group.next.chunks(1).collect();
+            // Prompts whose search is over but that are still in the batch sit the step out
+            // (`grow` mode, where rows keep equal lengths: they take a throwaway token).
+            let may_differ = state.rows_may_differ();
+            let tokens: Vec<&[u32]> = group
+                .next
+                .chunks(1)
+                .enumerate()
+                .map(|(r, t)| {
+                    let done = prompts[group.active[r / n]].finish.is_some();
+                    if done && may_differ {
+                        &[][..]
+                    } else {
+                        t
+                    }
+                })
+                .collect();
             let logits = state.step(&tokens)?;
             row_scores = (0..logits.rows).map(|r| logits.row(r).to_vec()).collect();
         }
-        // Before expansion, row `i` of the cache holds prompt `i`; after, rows `i*n..(i+1)*n`.
-        let rows_per_prompt = if group.expanded { n } else { 1 };
-
         let mut events = vec![];
-        let mut parents = vec![];
-        let mut next = vec![];
-        let mut still = vec![];
+        // Per active prompt: its parents (local beam indices) and next tokens, or `None` when
+        // its search is over.
+        let mut steps: Vec<Option<(Vec<usize>, Vec<u32>)>> = vec![];
         for (i, &p) in group.active.iter().enumerate() {
             let pr = &mut prompts[p];
+            if pr.finish.is_some() {
+                steps.push(None);
+                continue;
+            }
             let beams = &mut row_scores[i * n..(i + 1) * n];
             for (b, scores) in beams.iter_mut().enumerate() {
                 if scores.len() != vocab {
@@ -221,18 +237,7 @@ impl BeamRun {
             }
             let refs: Vec<&[f32]> = beams.iter().map(|s| s.as_slice()).collect();
             match pr.search.step(&refs)? {
-                BeamStep::Continue {
-                    parents: local,
-                    tokens,
-                } => {
-                    parents.extend(
-                        local
-                            .iter()
-                            .map(|&b| i * rows_per_prompt + b.min(rows_per_prompt - 1)),
-                    );
-                    next.extend(tokens);
-                    still.push(p);
-                }
+                BeamStep::Continue { parents, tokens } => steps.push(Some((parents, tokens))),
                 BeamStep::Done => {
                     let best = pr.search.finished().into_iter().next();
                     pr.finish = Some(best.as_ref().map_or(FinishReason::Length, |f| {
@@ -241,20 +246,49 @@ impl BeamRun {
                     if let Some(best) = best {
                         events.extend(stream_events(model, config, p, &best.hypothesis)?);
                     }
+                    steps.push(None);
                 }
             }
         }
-        if still.is_empty() {
+
+        let live = steps.iter().filter(|s| s.is_some()).count();
+        if live == 0 {
             group.state = None;
             group.active.clear();
-        } else {
-            // Each row takes the cache of its parent beam: in place when the number of rows is
-            // unchanged, else (expansion, or prompts that ended leaving) a gather.
-            state.reorder(&parents)?;
-            group.active = still;
-            group.next = next;
-            group.expanded = true;
+            return Ok(events);
         }
+        // Prompts whose search is over leave the batch when the smaller batch is ready to run
+        // (see `Generation::step`), and always at the expansion to beams (a new size anyway).
+        let compact = !group.expanded || state.is_ready_for(live * n);
+        let mut parents = vec![];
+        let mut next = vec![];
+        let mut active = vec![];
+        for (i, (&p, s)) in group.active.iter().zip(&steps).enumerate() {
+            // Before expansion, row `i` of the cache holds prompt `i`; after, rows
+            // `i*n..(i+1)*n`.
+            match s {
+                Some((local, tokens)) if group.expanded => {
+                    parents.extend(local.iter().map(|&b| i * n + b));
+                    next.extend(tokens);
+                }
+                Some((_, tokens)) => {
+                    parents.extend(std::iter::repeat_n(i, n));
+                    next.extend(tokens);
+                }
+                None if compact => continue,
+                None => {
+                    parents.extend(i * n..(i + 1) * n);
+                    next.extend(&group.next[i * n..(i + 1) * n]);
+                }
+            }
+            active.push(p);
+        }
+        // Each row takes the cache of its parent beam: in place when the number of rows is
+        // unchanged, else (expansion, or prompts that ended leaving) a gather.
+        state.reorder(&parents)?;
+        group.active = active;
+        group.next = next;
+        group.expanded = true;
         Ok(events)
     }
 
