@@ -157,6 +157,12 @@ impl Generation {
                 );
             }
         }
+        if prompts.iter().all(|p| p.is_empty()) {
+            return invalid!(
+                "prompt 0 is empty: a prompt needs at least one token (an empty prompt is a \
+                 padding row, allowed only beside a non-empty prompt)"
+            );
+        }
         let vocab = model.vocab_size();
         for (r, p) in prompts.iter().enumerate() {
             if let Some((i, &t)) = p.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {

@@ -195,8 +195,12 @@ fn empty_prompts_are_padding_rows_that_yield_nothing() {
                 "{name}: events of rows {rows:?}"
             );
         }
-        let out = generate(&model, &[vec![]], &options(json!({"max_new_tokens": 5})));
-        assert!(out.sequences[0][0].token_ids.is_empty());
+        // Only padding: nothing to generate from.
+        let e = error_of(&model, &[vec![], vec![]], json!({"max_new_tokens": 5}));
+        assert!(
+            matches!(&e, Error::InvalidInput(m) if m.contains("empty")),
+            "{e}"
+        );
     }
 }
 
