@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 use crate::config::GenerationConfig;
 use crate::decoder::DecoderState;
 use crate::error::{invalid, Error, Result};
-use crate::model::Model;
+use crate::model::{EncoderInput, Model};
 use crate::processors::{Chain, LogitsProcessor, RowContext};
 use crate::search;
 use crate::tokenizer::TextStream;
@@ -104,6 +104,8 @@ struct Group {
 /// A request in progress.
 pub struct Generation {
     config: GenerationConfig,
+    /// Encoder-decoder models: what the encoder reads (row `r` is prompt `r`).
+    encoder: Option<EncoderInput>,
     chain: Chain,
     rows: Vec<Row>,
     groups: Vec<Group>,
@@ -113,7 +115,9 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Prepare a request: validate prompts and options, build the processor chain.
+    /// Prepare a request: validate prompts and options, build the processor chain. For an
+    /// encoder-decoder the prompts are the encoder's input and each decoder sequence starts
+    /// with `decoder_start_token_id`.
     pub fn new(
         model: &Model,
         prompts: &[Vec<u32>],
@@ -122,15 +126,49 @@ impl Generation {
     ) -> Result<Generation> {
         let mut config = model.generation_config.clone();
         config.apply_options(options)?;
-        Self::with_config(model, prompts, config, custom)
+        if model.is_encoder_decoder() {
+            let start = config
+                .decoder_start_token_id
+                .or(model.decoder_start_token_id())
+                .ok_or_else(|| {
+                    Error::Model("the encoder-decoder has no `decoder_start_token_id`".into())
+                })?;
+            if let Some(r) = prompts.iter().position(|p| p.is_empty()) {
+                return invalid!("prompt {r} is empty: a prompt needs at least one token");
+            }
+            let vocab = model.vocab_size();
+            for (r, p) in prompts.iter().enumerate() {
+                if let Some((i, &t)) = p.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+                    return invalid!(
+                        "token id {t} at position {i} of prompt {r} is outside the vocabulary (0..{vocab})"
+                    );
+                }
+            }
+            let decoder_prompts = vec![vec![start]; prompts.len()];
+            let encoder = EncoderInput::Ids(prompts.to_vec());
+            return Self::with_config(model, Some(encoder), &decoder_prompts, config, custom);
+        }
+        Self::with_config(model, None, prompts, config, custom)
     }
 
+    /// Prepare a request with the decoder prompts given; `encoder` is the encoder's input of an
+    /// encoder-decoder (one row per prompt), `None` for a decoder-only model.
     pub fn with_config(
         model: &Model,
+        encoder: Option<EncoderInput>,
         prompts: &[Vec<u32>],
         config: GenerationConfig,
         custom: Vec<Box<dyn LogitsProcessor>>,
     ) -> Result<Generation> {
+        if let Some(e) = &encoder {
+            if e.rows() != prompts.len() {
+                return invalid!(
+                    "{} encoder inputs for {} decoder prompts",
+                    e.rows(),
+                    prompts.len()
+                );
+            }
+        }
         if prompts.is_empty() {
             return invalid!("no prompt was given");
         }
@@ -173,9 +211,15 @@ impl Generation {
         }
         let chain = Chain::build(&config, vocab, custom)?;
         if config.num_beams > 1 {
-            let beams = Some(beams::BeamRun::new(model, prompts, &config)?);
+            let beams = Some(beams::BeamRun::new(
+                model,
+                prompts,
+                &config,
+                encoder.is_some(),
+            )?);
             return Ok(Generation {
                 config,
+                encoder,
                 chain,
                 rows: vec![],
                 groups: vec![],
@@ -191,7 +235,12 @@ impl Generation {
                 fed: 0,
                 // transformers stops on `cur_len >= max_length` after each new token, so a row
                 // whose prompt already reaches `max_length` still gets one token.
-                budget: config.new_token_budget(p.len()).max(1),
+                budget: if encoder.is_some() {
+                    config.seq2seq_new_token_budget(p.len())
+                } else {
+                    config.new_token_budget(p.len())
+                }
+                .max(1),
                 // An empty prompt is a padding row: it yields no token.
                 finish: p.is_empty().then_some(FinishReason::Length),
                 stream: TextStream::new(),
@@ -202,6 +251,7 @@ impl Generation {
         let groups = group_rows(model, &rows);
         Ok(Generation {
             config,
+            encoder,
             chain,
             rows,
             groups,
@@ -235,7 +285,7 @@ impl Generation {
                 return Ok(vec![]);
             }
             self.steps += 1;
-            return b.step(model, &self.config, &mut self.chain);
+            return b.step(model, &self.config, &mut self.chain, self.encoder.as_ref());
         }
         let Some(g) = self
             .groups
@@ -251,8 +301,9 @@ impl Generation {
                 .map(|&r| self.rows[r].prompt_len + self.rows[r].budget)
                 .max()
                 .unwrap_or(1);
-            let rows = self.groups[g].rows.len();
-            self.groups[g].state = Some(model.decoder().start(rows, capacity)?);
+            let rows = &self.groups[g].rows;
+            let encoder = self.encoder.as_ref().map(|e| (e, rows.as_slice()));
+            self.groups[g].state = Some(model.start(rows.len(), capacity, encoder)?);
         }
         let group = &mut self.groups[g];
         let state = group

@@ -8,7 +8,7 @@
 use crate::config::GenerationConfig;
 use crate::decoder::DecoderState;
 use crate::error::{Error, Result};
-use crate::model::Model;
+use crate::model::{EncoderInput, Model};
 use crate::processors::{Chain, RowContext};
 use crate::search::beam::{BeamSearch, BeamSettings, BeamStep, Finished, Hypothesis};
 use crate::search::log_sum_exp;
@@ -54,12 +54,18 @@ impl BeamRun {
         model: &Model,
         prompts: &[Vec<u32>],
         config: &GenerationConfig,
+        seq2seq: bool,
     ) -> Result<BeamRun> {
         let num_beams = config.num_beams;
         let prompts: Vec<Prompt> = prompts
             .iter()
             .map(|p| {
-                let budget = config.new_token_budget(p.len()).max(1);
+                let budget = if seq2seq {
+                    config.seq2seq_new_token_budget(p.len())
+                } else {
+                    config.new_token_budget(p.len())
+                }
+                .max(1);
                 Ok(Prompt {
                     ids: p.clone(),
                     fed: 0,
@@ -105,6 +111,7 @@ impl BeamRun {
         model: &Model,
         config: &GenerationConfig,
         chain: &mut Chain,
+        encoder: Option<&EncoderInput>,
     ) -> Result<Vec<TokenEvent>> {
         let prompts = &mut self.prompts;
         let Some(g) = self
@@ -122,7 +129,9 @@ impl BeamRun {
                 .map(|&p| prompts[p].ids.len() + prompts[p].budget)
                 .max()
                 .unwrap_or(1);
-            group.state = Some(model.decoder().start(group.active.len(), capacity)?);
+            // An encoder-decoder: row `i` reads encoder row `active[i]` (its prompt).
+            let encoder = encoder.map(|e| (e, group.active.as_slice()));
+            group.state = Some(model.start(group.active.len(), capacity, encoder)?);
         }
         let state = group
             .state
