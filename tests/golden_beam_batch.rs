@@ -79,6 +79,13 @@ fn gpt2_merged_beam_and_batch() {
     run("gpt2-merged");
 }
 
+/// The encoder-decoder: beams share the prompt's cross-attention cache, which moves only with
+/// the rows of another prompt.
+#[test]
+fn t5_encoder_decoder_beam_and_batch() {
+    run("t5");
+}
+
 fn options(v: Value) -> Map<String, Value> {
     v.as_object().cloned().unwrap()
 }
