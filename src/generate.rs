@@ -9,8 +9,10 @@ use crate::config::GenerationConfig;
 use crate::decoder::DecoderState;
 use crate::error::{invalid, Error, Result};
 use crate::model::Model;
+use crate::processors::stop_strings::StopStrings;
 use crate::processors::{Chain, LogitsProcessor, RowContext};
 use crate::search;
+use crate::search::sampling::Sampler;
 use crate::tokenizer::TextStream;
 
 /// Why a row stopped.
@@ -22,6 +24,8 @@ pub enum FinishReason {
     Length,
     /// The caller stopped the request.
     Abort,
+    /// A stop string (`stop_strings`) ended in its last token (which is kept).
+    StopString,
 }
 
 impl FinishReason {
@@ -30,6 +34,7 @@ impl FinishReason {
             FinishReason::Eos => "eos",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::StopString => "stop_string",
         }
     }
 }
@@ -45,8 +50,12 @@ pub struct TokenEvent {
     pub text: String,
     /// Set on the last event of the row.
     pub finished: Option<FinishReason>,
-    /// With `output_scores`: log-softmax of the processed scores at this token.
+    /// With `output_scores` (or `top_logprobs`): log-softmax of the processed scores at this
+    /// token.
     pub logprob: Option<f32>,
+    /// With `top_logprobs: N`: the N most likely tokens of the processed distribution and their
+    /// log-probabilities, most likely first.
+    pub top_logprobs: Option<Vec<(u32, f32)>>,
 }
 
 /// A finished sequence.
@@ -62,6 +71,8 @@ pub struct Sequence {
     pub logprobs: Option<Vec<f32>>,
     /// Beam search: the hypothesis score `sum(scores) / length ** length_penalty`.
     pub sequence_score: Option<f32>,
+    /// With `top_logprobs: N`: for each step, the N most likely tokens and their log-probs.
+    pub top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
 }
 
 /// The result of a request: `sequences[prompt][returned sequence]`.
@@ -83,6 +94,7 @@ struct Row {
     stream: TextStream,
     scores: Vec<f32>,
     logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
 }
 
 impl Row {
@@ -103,6 +115,9 @@ struct Group {
 pub struct Generation {
     config: GenerationConfig,
     chain: Chain,
+    /// With `do_sample`: one seeded generator per row.
+    sampler: Option<Sampler>,
+    stop_strings: Option<StopStrings>,
     rows: Vec<Row>,
     groups: Vec<Group>,
     steps: usize,
@@ -154,6 +169,14 @@ impl Generation {
             }
         }
         let chain = Chain::build(&config, vocab, custom)?;
+        let sampler = match config.do_sample {
+            true => Some(Sampler::new(config.seed.as_deref(), prompts.len())?),
+            false => None,
+        };
+        let stop_strings = match &config.stop_strings {
+            Some(s) => Some(StopStrings::new(s)?),
+            None => None,
+        };
         let rows: Vec<Row> = prompts
             .iter()
             .map(|p| Row {
@@ -167,12 +190,15 @@ impl Generation {
                 stream: TextStream::new(),
                 scores: vec![],
                 logprobs: vec![],
+                top_logprobs: vec![],
             })
             .collect();
         let groups = group_rows(model, &rows);
         Ok(Generation {
             config,
             chain,
+            sampler,
+            stop_strings,
             rows,
             groups,
             steps: 0,
@@ -266,11 +292,24 @@ impl Generation {
                 max_length: row.prompt_len + row.budget,
             };
             self.chain.apply(&ctx, &mut scores)?;
-            let token = search::argmax(&scores);
-            if self.config.output_scores {
+            let token = match self.sampler.as_mut() {
+                Some(sampler) => sampler.sample(r, &scores)?,
+                None => search::argmax(&scores),
+            };
+            // Scores and log-probs only when asked for.
+            let want_logprobs = self.config.output_scores || self.config.top_logprobs > 0;
+            let mut logprob = None;
+            let mut top = None;
+            if want_logprobs {
+                let lp = search::log_softmax_at(&scores, token as usize);
                 row.scores.push(scores[token as usize]);
-                row.logprobs
-                    .push(search::log_softmax_at(&scores, token as usize));
+                row.logprobs.push(lp);
+                logprob = Some(lp);
+            }
+            if self.config.top_logprobs > 0 {
+                let t = search::top_logprobs(&scores, self.config.top_logprobs);
+                row.top_logprobs.push(t.clone());
+                top = Some(t);
             }
             let is_eos = self.config.eos_ids().contains(&token);
             let mut text = String::new();
@@ -279,7 +318,13 @@ impl Generation {
             } else {
                 row.ids.push(token);
                 text = row.stream.push(&model.tokenizer, token)?;
-                if row.new_tokens().len() >= row.budget {
+                let stop = match &self.stop_strings {
+                    Some(s) => s.matches(&row.ids, |ids| model.tokenizer.decode(ids))?,
+                    None => false,
+                };
+                if stop {
+                    row.finish = Some(FinishReason::StopString);
+                } else if row.new_tokens().len() >= row.budget {
                     row.finish = Some(FinishReason::Length);
                 }
             }
@@ -291,11 +336,8 @@ impl Generation {
                 token_id: token,
                 text,
                 finished: row.finish,
-                logprob: row
-                    .logprobs
-                    .last()
-                    .copied()
-                    .filter(|_| self.config.output_scores),
+                logprob,
+                top_logprobs: top,
             });
         }
 
@@ -338,6 +380,7 @@ impl Generation {
                     scores: self.config.output_scores.then(|| row.scores.clone()),
                     logprobs: self.config.output_scores.then(|| row.logprobs.clone()),
                     sequence_score: None,
+                    top_logprobs: (self.config.top_logprobs > 0).then(|| row.top_logprobs.clone()),
                 }])
             })
             .collect::<Result<_>>()?;
