@@ -42,7 +42,8 @@ impl FinishReason {
 /// One new token of one row, as it is produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
-    /// The row (prompt index) it belongs to.
+    /// The row it belongs to: the prompt index, or with `num_return_sequences = n` when
+    /// sampling, `prompt * n + sequence`.
     pub row: usize,
     pub token_id: u32,
     /// The new text: the deltas of a row concatenate to its final text. Empty for an eos token
@@ -118,6 +119,8 @@ pub struct Generation {
     /// With `do_sample`: one seeded generator per row.
     sampler: Option<Sampler>,
     stop_strings: Option<StopStrings>,
+    /// Rows per prompt (`num_return_sequences` when sampling, else 1).
+    per_prompt: usize,
     rows: Vec<Row>,
     groups: Vec<Group>,
     steps: usize,
@@ -169,6 +172,16 @@ impl Generation {
             }
         }
         let chain = Chain::build(&config, vocab, custom)?;
+        // Sampling with `num_return_sequences`: each prompt is repeated, as transformers'
+        // `_expand_inputs_for_generation` does (row `p * n + i` is sequence `i` of prompt `p`).
+        let per_prompt = match config.do_sample && config.num_beams == 1 {
+            true => config.num_return_sequences,
+            false => 1,
+        };
+        let prompts: Vec<Vec<u32>> = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.clone(), per_prompt))
+            .collect();
         let sampler = match config.do_sample {
             true => Some(Sampler::new(config.seed.as_deref(), prompts.len())?),
             false => None,
@@ -199,6 +212,7 @@ impl Generation {
             chain,
             sampler,
             stop_strings,
+            per_prompt,
             rows,
             groups,
             steps: 0,
@@ -370,21 +384,23 @@ impl Generation {
     pub fn output(&self, model: &Model) -> Result<Output> {
         let sequences = self
             .rows
-            .iter()
-            .map(|row| {
-                let ids = row.new_tokens().to_vec();
-                Ok(vec![Sequence {
-                    text: model.tokenizer.decode(&ids)?,
-                    token_ids: ids,
-                    finish_reason: row.finish.unwrap_or(FinishReason::Abort),
-                    scores: self.config.output_scores.then(|| row.scores.clone()),
-                    logprobs: self.config.output_scores.then(|| row.logprobs.clone()),
-                    sequence_score: None,
-                    top_logprobs: (self.config.top_logprobs > 0).then(|| row.top_logprobs.clone()),
-                }])
-            })
+            .chunks(self.per_prompt.max(1))
+            .map(|rows| rows.iter().map(|row| self.sequence(model, row)).collect())
             .collect::<Result<_>>()?;
         Ok(Output { sequences })
+    }
+
+    fn sequence(&self, model: &Model, row: &Row) -> Result<Sequence> {
+        let ids = row.new_tokens().to_vec();
+        Ok(Sequence {
+            text: model.tokenizer.decode(&ids)?,
+            token_ids: ids,
+            finish_reason: row.finish.unwrap_or(FinishReason::Abort),
+            scores: self.config.output_scores.then(|| row.scores.clone()),
+            logprobs: self.config.output_scores.then(|| row.logprobs.clone()),
+            sequence_score: None,
+            top_logprobs: (self.config.top_logprobs > 0).then(|| row.top_logprobs.clone()),
+        })
     }
 }
 
