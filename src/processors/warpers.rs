@@ -28,12 +28,26 @@ pub(crate) fn as_typed(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(x as f64)
 }
 
-/// Indices of `scores` sorted by `key` ascending (ties by index).
-fn sorted_indices(key: &[f32], order: &mut Vec<u32>) {
-    order.clear();
-    order.extend(0..key.len() as u32);
-    order.sort_by(|&a, &b| key[a as usize].total_cmp(&key[b as usize]).then(a.cmp(&b)));
+/// `(key, index)` packed into a `u64` whose integer order is the order of the float key, then
+/// of the index: a plain integer sort or selection then does the work, several times faster than
+/// sorting indices with a comparison closure, and ties resolve the same way every time.
+fn pack(key: &[f32], packed: &mut Vec<u64>) {
+    packed.clear();
+    packed.extend(key.iter().enumerate().map(|(i, &k)| {
+        let b = k.to_bits();
+        let ordered = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+        ((ordered as u64) << 32) | i as u64
+    }));
 }
+
+/// The token index of a packed entry.
+fn index(p: u64) -> usize {
+    (p & 0xFFFF_FFFF) as usize
+}
+
+/// Candidates first considered by the partial sorts of top_p and typical_p; the count grows
+/// fourfold until the cut is decided (most steps need a few hundred tokens of a large vocabulary).
+const FIRST_CANDIDATES: usize = 256;
 
 /// transformers' `TemperatureLogitsWarper`: scores / temperature.
 pub struct Temperature {
@@ -91,7 +105,7 @@ impl LogitsProcessor for TopK {
 pub struct TopP {
     threshold: f32,
     keep: usize,
-    order: Vec<u32>,
+    packed: Vec<u64>,
     probs: Vec<f32>,
 }
 
@@ -104,7 +118,7 @@ impl TopP {
             // `1 - self.top_p` in Python double, compared with a float32 tensor.
             threshold: (1.0 - as_typed(top_p)) as f32,
             keep: min_tokens_to_keep.max(1),
-            order: vec![],
+            packed: vec![],
             probs: vec![],
         })
     }
@@ -112,18 +126,43 @@ impl TopP {
 
 impl LogitsProcessor for TopP {
     fn process(&mut self, _: &RowContext, scores: &mut [f32]) -> Result<()> {
-        sorted_indices(scores, &mut self.order);
-        softmax_into(scores, &mut self.probs);
-        let n = self.order.len();
-        let protected = n.saturating_sub(self.keep);
-        let mut cum = 0.0f64;
-        for (pos, &i) in self.order.iter().enumerate() {
-            cum += self.probs[i as usize] as f64;
-            if pos < protected && (cum as f32) <= self.threshold {
-                scores[i as usize] = f32::NEG_INFINITY;
-            }
+        // transformers sorts every score ascending and removes the tokens whose cumulative
+        // probability is `<= 1 - top_p`: a prefix of that order. Only the `m` most likely tokens
+        // are sorted here; the others are a prefix of the ascending order, removed when their
+        // total already is `<= 1 - top_p` (else `m` grows).
+        let n = scores.len();
+        if n == 0 {
+            return Ok(());
         }
-        Ok(())
+        softmax_into(scores, &mut self.probs);
+        pack(scores, &mut self.packed);
+        let protected = n.saturating_sub(self.keep);
+        let mut m = FIRST_CANDIDATES.max(self.keep).min(n);
+        loop {
+            if m < n {
+                self.packed.select_nth_unstable(n - m);
+            }
+            let (rest, top) = self.packed.split_at_mut(n - m);
+            let rest_mass: f64 = rest.iter().map(|&p| self.probs[index(p)] as f64).sum();
+            if m < n && (rest_mass as f32) > self.threshold {
+                m = (m * 4).min(n);
+                continue;
+            }
+            top.sort_unstable();
+            // Every partial sum within `rest` is at most `rest_mass`: all of them go.
+            for &p in rest.iter() {
+                scores[index(p)] = f32::NEG_INFINITY;
+            }
+            let mut cum = rest_mass;
+            for (j, &p) in top.iter().enumerate() {
+                let i = index(p);
+                cum += self.probs[i] as f64;
+                if n - m + j < protected && (cum as f32) <= self.threshold {
+                    scores[i] = f32::NEG_INFINITY;
+                }
+            }
+            return Ok(());
+        }
     }
 }
 
@@ -173,7 +212,7 @@ pub struct Typical {
     keep: usize,
     normalized: Vec<f32>,
     shifted: Vec<f32>,
-    order: Vec<u32>,
+    packed: Vec<u64>,
     probs: Vec<f32>,
 }
 
@@ -187,7 +226,7 @@ impl Typical {
             keep: min_tokens_to_keep.max(1),
             normalized: vec![],
             shifted: vec![],
-            order: vec![],
+            packed: vec![],
             probs: vec![],
         })
     }
@@ -212,22 +251,41 @@ impl LogitsProcessor for Typical {
         self.shifted.clear();
         self.shifted
             .extend(self.normalized.iter().map(|&l| (-l - ent).abs()));
-        sorted_indices(&self.shifted, &mut self.order);
         softmax_into(scores, &mut self.probs);
-        // last_ind = (cumulative_probs < mass).sum(), clamped to n - 1.
-        let mut cum = 0.0f64;
-        let mut below = 0usize;
-        for &i in &self.order {
-            cum += self.probs[i as usize] as f64;
-            if (cum as f32) < self.mass {
-                below += 1;
+        pack(&self.shifted, &mut self.packed);
+        // Sorted by `shifted` ascending, `last_ind = (cumulative_probs < mass).sum()` (clamped
+        // to n - 1) is the first position whose cumulative probability reaches `mass`: only the
+        // `m` most typical tokens are sorted, `m` growing until that position is among them.
+        let mut m = FIRST_CANDIDATES.max(self.keep).min(n);
+        let (limit, protect) = loop {
+            if m < n {
+                self.packed.select_nth_unstable(m);
             }
-        }
-        let last = below.min(n - 1);
-        let limit = self.shifted[self.order[last] as usize];
-        for (pos, &i) in self.order.iter().enumerate() {
-            if pos >= self.keep && self.shifted[i as usize] > limit {
-                scores[i as usize] = f32::NEG_INFINITY;
+            let head = &mut self.packed[..m];
+            head.sort_unstable();
+            let mut cum = 0.0f64;
+            let mut last = None;
+            for (pos, &p) in head.iter().enumerate() {
+                cum += self.probs[index(p)] as f64;
+                if (cum as f32) >= self.mass {
+                    last = Some(pos);
+                    break;
+                }
+            }
+            let last = match last {
+                Some(pos) => pos,
+                None if m == n => n - 1,
+                None => {
+                    m = (m * 4).min(n);
+                    continue;
+                }
+            };
+            let protect: Vec<usize> = head[..self.keep.min(m)].iter().map(|&p| index(p)).collect();
+            break (self.shifted[index(head[last])], protect);
+        };
+        for (i, s) in scores.iter_mut().enumerate() {
+            if self.shifted[i] > limit && !protect.contains(&i) {
+                *s = f32::NEG_INFINITY;
             }
         }
         Ok(())
@@ -344,6 +402,71 @@ mod tests {
 
     fn logs(p: &[f32]) -> Vec<f32> {
         p.iter().map(|x| x.ln()).collect()
+    }
+
+    #[test]
+    fn packed_sort_orders_floats_then_indices() {
+        let key = [1.0, -0.0, NINF, 0.0, -2.5, f32::INFINITY, 1.0];
+        let mut packed = vec![];
+        pack(&key, &mut packed);
+        packed.sort_unstable();
+        let order: Vec<usize> = packed.iter().map(|&p| index(p)).collect();
+        assert_eq!(order, vec![2, 4, 1, 3, 0, 6, 5]);
+    }
+
+    /// The partial sorts of top_p and typical_p against a plain full sort, on a vocabulary
+    /// larger than the first candidate set, for cuts that need one, two and more rounds.
+    #[test]
+    fn partial_sorts_equal_full_sorts() {
+        let n = 5000;
+        let mut x: u64 = 7;
+        let scores: Vec<f32> = (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0
+            })
+            .collect();
+        let mut probs = vec![];
+        softmax_into(&scores, &mut probs);
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(a.cmp(&b)));
+        for top_p in [0.05f32, 0.5, 0.9, 0.99, 0.999, 1.0] {
+            let threshold = (1.0 - as_typed(top_p)) as f32;
+            let mut want = scores.clone();
+            let mut cum = 0.0f64;
+            for (pos, &i) in order.iter().enumerate() {
+                cum += probs[i] as f64;
+                if pos < n - 1 && (cum as f32) <= threshold {
+                    want[i] = NINF;
+                }
+            }
+            let got = run(&mut TopP::new(top_p, 1).unwrap(), &scores);
+            assert_eq!(kept(&got), kept(&want), "top_p {top_p}");
+        }
+        for mass in [0.01f32, 0.3, 0.9, 0.999] {
+            let mut normalized = vec![];
+            log_softmax_into(&scores, &mut normalized);
+            let ent = -normalized.iter().map(|&l| l * l.exp()).sum::<f32>();
+            let shifted: Vec<f32> = normalized.iter().map(|&l| (-l - ent).abs()).collect();
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| shifted[a].total_cmp(&shifted[b]).then(a.cmp(&b)));
+            let mut cum = 0.0f64;
+            let mut below = 0;
+            for &i in &order {
+                cum += probs[i] as f64;
+                if (cum as f32) < mass {
+                    below += 1;
+                }
+            }
+            let limit = shifted[order[below.min(n - 1)]];
+            let want: Vec<usize> = (0..n)
+                .filter(|&i| shifted[i] <= limit || i == order[0])
+                .collect();
+            let got = run(&mut Typical::new(mass, 1).unwrap(), &scores);
+            assert_eq!(kept(&got), want, "typical_p {mass}");
+        }
     }
 
     #[test]
