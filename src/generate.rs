@@ -9,8 +9,10 @@ use crate::config::GenerationConfig;
 use crate::decoder::DecoderState;
 use crate::error::{invalid, Error, Result};
 use crate::model::{EncoderInput, Model};
+use crate::processors::stop_strings::StopStrings;
 use crate::processors::{Chain, LogitsProcessor, RowContext};
 use crate::search;
+use crate::search::sampling::Sampler;
 use crate::tokenizer::TextStream;
 
 /// Why a row stopped.
@@ -22,6 +24,8 @@ pub enum FinishReason {
     Length,
     /// The caller stopped the request.
     Abort,
+    /// A stop string (`stop_strings`) ended in its last token (which is kept).
+    StopString,
 }
 
 impl FinishReason {
@@ -30,6 +34,7 @@ impl FinishReason {
             FinishReason::Eos => "eos",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::StopString => "stop_string",
         }
     }
 }
@@ -37,7 +42,8 @@ impl FinishReason {
 /// One new token of one row, as it is produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
-    /// The row (prompt index) it belongs to.
+    /// The row it belongs to: the prompt index, or with `num_return_sequences = n` when
+    /// sampling, `prompt * n + sequence`.
     pub row: usize,
     pub token_id: u32,
     /// The new text: the deltas of a row concatenate to its final text. Empty for an eos token
@@ -45,8 +51,12 @@ pub struct TokenEvent {
     pub text: String,
     /// Set on the last event of the row.
     pub finished: Option<FinishReason>,
-    /// With `output_scores`: log-softmax of the processed scores at this token.
+    /// With `output_scores` (or `top_logprobs`): log-softmax of the processed scores at this
+    /// token.
     pub logprob: Option<f32>,
+    /// With `top_logprobs: N`: the N most likely tokens of the processed distribution and their
+    /// log-probabilities, most likely first.
+    pub top_logprobs: Option<Vec<(u32, f32)>>,
 }
 
 /// A finished sequence.
@@ -62,6 +72,8 @@ pub struct Sequence {
     pub logprobs: Option<Vec<f32>>,
     /// Beam search: the hypothesis score `sum(scores) / length ** length_penalty`.
     pub sequence_score: Option<f32>,
+    /// With `top_logprobs: N`: for each step, the N most likely tokens and their log-probs.
+    pub top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
 }
 
 /// The result of a request: `sequences[prompt][returned sequence]`.
@@ -83,6 +95,7 @@ struct Row {
     stream: TextStream,
     scores: Vec<f32>,
     logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
 }
 
 impl Row {
@@ -105,6 +118,11 @@ pub struct Generation {
     /// Encoder-decoder models: what the encoder reads (row `r` is prompt `r`).
     encoder: Option<EncoderInput>,
     chain: Chain,
+    /// With `do_sample`: one seeded generator per row.
+    sampler: Option<Sampler>,
+    stop_strings: Option<StopStrings>,
+    /// Rows per prompt (`num_return_sequences` when sampling, else 1).
+    per_prompt: usize,
     rows: Vec<Row>,
     groups: Vec<Group>,
     steps: usize,
@@ -192,6 +210,24 @@ impl Generation {
             }
         }
         let chain = Chain::build(&config, vocab, custom)?;
+        // Sampling with `num_return_sequences`: each prompt is repeated, as transformers'
+        // `_expand_inputs_for_generation` does (row `p * n + i` is sequence `i` of prompt `p`).
+        let per_prompt = match config.do_sample && config.num_beams == 1 {
+            true => config.num_return_sequences,
+            false => 1,
+        };
+        let prompts: Vec<Vec<u32>> = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.clone(), per_prompt))
+            .collect();
+        let sampler = match config.do_sample {
+            true => Some(Sampler::new(config.seed.as_deref(), prompts.len())?),
+            false => None,
+        };
+        let stop_strings = match &config.stop_strings {
+            Some(s) => Some(StopStrings::new(s)?),
+            None => None,
+        };
         let rows: Vec<Row> = prompts
             .iter()
             .map(|p| Row {
@@ -210,6 +246,7 @@ impl Generation {
                 stream: TextStream::new(),
                 scores: vec![],
                 logprobs: vec![],
+                top_logprobs: vec![],
             })
             .collect();
         let groups = group_rows(model, &rows);
@@ -217,6 +254,9 @@ impl Generation {
             config,
             encoder,
             chain,
+            sampler,
+            stop_strings,
+            per_prompt,
             rows,
             groups,
             steps: 0,
@@ -311,11 +351,24 @@ impl Generation {
                 max_length: row.prompt_len + row.budget,
             };
             self.chain.apply(&ctx, &mut scores)?;
-            let token = search::argmax(&scores);
-            if self.config.output_scores {
+            let token = match self.sampler.as_mut() {
+                Some(sampler) => sampler.sample(r, &scores)?,
+                None => search::argmax(&scores),
+            };
+            // Scores and log-probs only when asked for.
+            let want_logprobs = self.config.output_scores || self.config.top_logprobs > 0;
+            let mut logprob = None;
+            let mut top = None;
+            if want_logprobs {
+                let lp = search::log_softmax_at(&scores, token as usize);
                 row.scores.push(scores[token as usize]);
-                row.logprobs
-                    .push(search::log_softmax_at(&scores, token as usize));
+                row.logprobs.push(lp);
+                logprob = Some(lp);
+            }
+            if self.config.top_logprobs > 0 {
+                let t = search::top_logprobs(&scores, self.config.top_logprobs);
+                row.top_logprobs.push(t.clone());
+                top = Some(t);
             }
             let is_eos = self.config.eos_ids().contains(&token);
             let mut text = String::new();
@@ -324,7 +377,13 @@ impl Generation {
             } else {
                 row.ids.push(token);
                 text = row.stream.push(&model.tokenizer, token)?;
-                if row.new_tokens().len() >= row.budget {
+                let stop = match &self.stop_strings {
+                    Some(s) => s.matches(&row.ids, |ids| model.tokenizer.decode(ids))?,
+                    None => false,
+                };
+                if stop {
+                    row.finish = Some(FinishReason::StopString);
+                } else if row.new_tokens().len() >= row.budget {
                     row.finish = Some(FinishReason::Length);
                 }
             }
@@ -336,11 +395,8 @@ impl Generation {
                 token_id: token,
                 text,
                 finished: row.finish,
-                logprob: row
-                    .logprobs
-                    .last()
-                    .copied()
-                    .filter(|_| self.config.output_scores),
+                logprob,
+                top_logprobs: top,
             });
         }
 
@@ -373,20 +429,23 @@ impl Generation {
     pub fn output(&self, model: &Model) -> Result<Output> {
         let sequences = self
             .rows
-            .iter()
-            .map(|row| {
-                let ids = row.new_tokens().to_vec();
-                Ok(vec![Sequence {
-                    text: model.tokenizer.decode(&ids)?,
-                    token_ids: ids,
-                    finish_reason: row.finish.unwrap_or(FinishReason::Abort),
-                    scores: self.config.output_scores.then(|| row.scores.clone()),
-                    logprobs: self.config.output_scores.then(|| row.logprobs.clone()),
-                    sequence_score: None,
-                }])
-            })
+            .chunks(self.per_prompt.max(1))
+            .map(|rows| rows.iter().map(|row| self.sequence(model, row)).collect())
             .collect::<Result<_>>()?;
         Ok(Output { sequences })
+    }
+
+    fn sequence(&self, model: &Model, row: &Row) -> Result<Sequence> {
+        let ids = row.new_tokens().to_vec();
+        Ok(Sequence {
+            text: model.tokenizer.decode(&ids)?,
+            token_ids: ids,
+            finish_reason: row.finish.unwrap_or(FinishReason::Abort),
+            scores: self.config.output_scores.then(|| row.scores.clone()),
+            logprobs: self.config.output_scores.then(|| row.logprobs.clone()),
+            sequence_score: None,
+            top_logprobs: (self.config.top_logprobs > 0).then(|| row.top_logprobs.clone()),
+        })
     }
 }
 
