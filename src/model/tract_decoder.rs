@@ -321,6 +321,14 @@ impl DecoderState for TractState {
         &self.cache.lengths
     }
 
+    fn is_ready_for(&self, rows: usize) -> bool {
+        self.decoder
+            .plans
+            .lock()
+            .map(|p| p.contains_key(&(rows, false)))
+            .unwrap_or(false)
+    }
+
     fn rows_may_differ(&self) -> bool {
         self.decoder.sig.cache_mode != CacheMode::Grow
     }
