@@ -9,8 +9,10 @@ use crate::config::GenerationConfig;
 use crate::decoder::DecoderState;
 use crate::error::{invalid, Error, Result};
 use crate::model::{EncoderInput, Model};
+use crate::processors::stop_strings::StopStrings;
 use crate::processors::{Chain, LogitsProcessor, RowContext};
 use crate::search;
+use crate::search::sampling::Sampler;
 use crate::tokenizer::TextStream;
 
 mod beams;
@@ -24,6 +26,8 @@ pub enum FinishReason {
     Length,
     /// The caller stopped the request.
     Abort,
+    /// A stop string (`stop_strings`) ended in its last token (which is kept).
+    StopString,
 }
 
 impl FinishReason {
@@ -32,6 +36,7 @@ impl FinishReason {
             FinishReason::Eos => "eos",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::StopString => "stop_string",
         }
     }
 }
@@ -39,7 +44,8 @@ impl FinishReason {
 /// One new token of one row, as it is produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
-    /// The row (prompt index) it belongs to.
+    /// The row it belongs to: the prompt index, or with `num_return_sequences = n` when
+    /// sampling, `prompt * n + sequence`.
     pub row: usize,
     pub token_id: u32,
     /// The new text: the deltas of a row concatenate to its final text. Empty for an eos token
@@ -47,8 +53,12 @@ pub struct TokenEvent {
     pub text: String,
     /// Set on the last event of the row.
     pub finished: Option<FinishReason>,
-    /// With `output_scores`: log-softmax of the processed scores at this token.
+    /// With `output_scores` (or `top_logprobs`): log-softmax of the processed scores at this
+    /// token.
     pub logprob: Option<f32>,
+    /// With `top_logprobs: N`: the N most likely tokens of the processed distribution and their
+    /// log-probabilities, most likely first.
+    pub top_logprobs: Option<Vec<(u32, f32)>>,
 }
 
 /// A finished sequence.
@@ -64,6 +74,8 @@ pub struct Sequence {
     pub logprobs: Option<Vec<f32>>,
     /// Beam search: the hypothesis score `sum(scores) / length ** length_penalty`.
     pub sequence_score: Option<f32>,
+    /// With `top_logprobs: N`: for each step, the N most likely tokens and their log-probs.
+    pub top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
 }
 
 /// The result of a request: `sequences[prompt][returned sequence]`.
@@ -85,6 +97,7 @@ struct Row {
     stream: TextStream,
     scores: Vec<f32>,
     logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
 }
 
 impl Row {
@@ -107,6 +120,11 @@ pub struct Generation {
     /// Encoder-decoder models: what the encoder reads (row `r` is prompt `r`).
     encoder: Option<EncoderInput>,
     chain: Chain,
+    /// With `do_sample`: one seeded generator per row.
+    sampler: Option<Sampler>,
+    stop_strings: Option<StopStrings>,
+    /// Rows per prompt (`num_return_sequences` when sampling, else 1).
+    per_prompt: usize,
     rows: Vec<Row>,
     groups: Vec<Group>,
     steps: usize,
@@ -220,20 +238,41 @@ impl Generation {
         if config.num_beams > 1 {
             let beams = Some(beams::BeamRun::new(
                 model,
+                encoder.clone(),
                 prompts,
                 &config,
-                encoder.is_some(),
             )?);
             return Ok(Generation {
                 config,
                 encoder,
                 chain,
+                sampler: None,
+                stop_strings: None,
+                per_prompt: 1,
                 rows: vec![],
                 groups: vec![],
                 steps: 0,
                 beams,
             });
         }
+        // Sampling with `num_return_sequences`: each prompt is repeated, as transformers'
+        // `_expand_inputs_for_generation` does (row `p * n + i` is sequence `i` of prompt `p`).
+        let per_prompt = match config.do_sample && config.num_beams == 1 {
+            true => config.num_return_sequences,
+            false => 1,
+        };
+        let prompts: Vec<Vec<u32>> = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.clone(), per_prompt))
+            .collect();
+        let sampler = match config.do_sample {
+            true => Some(Sampler::new(config.seed.as_deref(), prompts.len())?),
+            false => None,
+        };
+        let stop_strings = match &config.stop_strings {
+            Some(s) => Some(StopStrings::new(s)?),
+            None => None,
+        };
         let rows: Vec<Row> = prompts
             .iter()
             .map(|p| Row {
@@ -253,6 +292,7 @@ impl Generation {
                 stream: TextStream::new(),
                 scores: vec![],
                 logprobs: vec![],
+                top_logprobs: vec![],
             })
             .collect();
         let groups = group_rows(model, &rows);
@@ -260,6 +300,9 @@ impl Generation {
             config,
             encoder,
             chain,
+            sampler,
+            stop_strings,
+            per_prompt,
             rows,
             groups,
             steps: 0,
@@ -292,7 +335,7 @@ impl Generation {
                 return Ok(vec![]);
             }
             self.steps += 1;
-            return b.step(model, &self.config, &mut self.chain, self.encoder.as_ref());
+            return b.step(model, &self.config, &mut self.chain);
         }
         let Some(g) = self
             .groups
@@ -308,9 +351,14 @@ impl Generation {
                 .map(|&r| self.rows[r].prompt_len + self.rows[r].budget)
                 .max()
                 .unwrap_or(1);
-            let rows = &self.groups[g].rows;
-            let encoder = self.encoder.as_ref().map(|e| (e, rows.as_slice()));
-            self.groups[g].state = Some(model.start(rows.len(), capacity, encoder)?);
+            // The encoder row of each row: its prompt.
+            let rows_of: Vec<usize> = self.groups[g]
+                .rows
+                .iter()
+                .map(|r| r / self.per_prompt.max(1))
+                .collect();
+            let encoder = self.encoder.as_ref().map(|e| (e, rows_of.as_slice()));
+            self.groups[g].state = Some(model.start(rows_of.len(), capacity, encoder)?);
         }
         let group = &mut self.groups[g];
         let state = group
@@ -372,11 +420,24 @@ impl Generation {
                 max_length: row.prompt_len + row.budget,
             };
             self.chain.apply(&ctx, &mut scores)?;
-            let token = search::argmax(&scores);
-            if self.config.output_scores {
+            let token = match self.sampler.as_mut() {
+                Some(sampler) => sampler.sample(r, &scores)?,
+                None => search::argmax(&scores),
+            };
+            // Scores and log-probs only when asked for.
+            let want_logprobs = self.config.output_scores || self.config.top_logprobs > 0;
+            let mut logprob = None;
+            let mut top = None;
+            if want_logprobs {
+                let lp = search::log_softmax_at(&scores, token as usize);
                 row.scores.push(scores[token as usize]);
-                row.logprobs
-                    .push(search::log_softmax_at(&scores, token as usize));
+                row.logprobs.push(lp);
+                logprob = Some(lp);
+            }
+            if self.config.top_logprobs > 0 {
+                let t = search::top_logprobs(&scores, self.config.top_logprobs);
+                row.top_logprobs.push(t.clone());
+                top = Some(t);
             }
             let is_eos = self.config.eos_ids().contains(&token);
             let mut text = String::new();
@@ -385,7 +446,13 @@ impl Generation {
             } else {
                 row.ids.push(token);
                 text = row.stream.push(&model.tokenizer, token)?;
-                if row.new_tokens().len() >= row.budget {
+                let stop = match &self.stop_strings {
+                    Some(s) => s.matches(&row.ids, |ids| model.tokenizer.decode(ids))?,
+                    None => false,
+                };
+                if stop {
+                    row.finish = Some(FinishReason::StopString);
+                } else if row.new_tokens().len() >= row.budget {
                     row.finish = Some(FinishReason::Length);
                 }
             }
@@ -397,11 +464,8 @@ impl Generation {
                 token_id: token,
                 text,
                 finished: row.finish,
-                logprob: row
-                    .logprobs
-                    .last()
-                    .copied()
-                    .filter(|_| self.config.output_scores),
+                logprob,
+                top_logprobs: top,
             });
         }
 
@@ -444,20 +508,23 @@ impl Generation {
         }
         let sequences = self
             .rows
-            .iter()
-            .map(|row| {
-                let ids = row.new_tokens().to_vec();
-                Ok(vec![Sequence {
-                    text: model.tokenizer.decode(&ids)?,
-                    token_ids: ids,
-                    finish_reason: row.finish.unwrap_or(FinishReason::Abort),
-                    scores: self.config.output_scores.then(|| row.scores.clone()),
-                    logprobs: self.config.output_scores.then(|| row.logprobs.clone()),
-                    sequence_score: None,
-                }])
-            })
+            .chunks(self.per_prompt.max(1))
+            .map(|rows| rows.iter().map(|row| self.sequence(model, row)).collect())
             .collect::<Result<_>>()?;
         Ok(Output { sequences })
+    }
+
+    fn sequence(&self, model: &Model, row: &Row) -> Result<Sequence> {
+        let ids = row.new_tokens().to_vec();
+        Ok(Sequence {
+            text: model.tokenizer.decode(&ids)?,
+            token_ids: ids,
+            finish_reason: row.finish.unwrap_or(FinishReason::Abort),
+            scores: self.config.output_scores.then(|| row.scores.clone()),
+            logprobs: self.config.output_scores.then(|| row.logprobs.clone()),
+            sequence_score: None,
+            top_logprobs: (self.config.top_logprobs > 0).then(|| row.top_logprobs.clone()),
+        })
     }
 }
 

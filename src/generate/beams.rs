@@ -45,6 +45,8 @@ struct Group {
 /// The state of a beam request.
 pub(super) struct BeamRun {
     num_beams: usize,
+    /// Encoder-decoder models: the encoder's input (row `p` is prompt `p`).
+    encoder: Option<EncoderInput>,
     prompts: Vec<Prompt>,
     groups: Vec<Group>,
 }
@@ -52,18 +54,17 @@ pub(super) struct BeamRun {
 impl BeamRun {
     pub(super) fn new(
         model: &Model,
+        encoder: Option<EncoderInput>,
         prompts: &[Vec<u32>],
         config: &GenerationConfig,
-        seq2seq: bool,
     ) -> Result<BeamRun> {
         let num_beams = config.num_beams;
         let prompts: Vec<Prompt> = prompts
             .iter()
             .map(|p| {
-                let budget = if seq2seq {
-                    config.seq2seq_new_token_budget(p.len())
-                } else {
-                    config.new_token_budget(p.len())
+                let budget = match encoder {
+                    Some(_) => config.seq2seq_new_token_budget(p.len()),
+                    None => config.new_token_budget(p.len()),
                 }
                 .max(1);
                 Ok(Prompt {
@@ -96,6 +97,7 @@ impl BeamRun {
             .collect();
         Ok(BeamRun {
             num_beams,
+            encoder,
             prompts,
             groups,
         })
@@ -111,7 +113,6 @@ impl BeamRun {
         model: &Model,
         config: &GenerationConfig,
         chain: &mut Chain,
-        encoder: Option<&EncoderInput>,
     ) -> Result<Vec<TokenEvent>> {
         let prompts = &mut self.prompts;
         let Some(g) = self
@@ -129,8 +130,7 @@ impl BeamRun {
                 .map(|&p| prompts[p].ids.len() + prompts[p].budget)
                 .max()
                 .unwrap_or(1);
-            // An encoder-decoder: row `i` reads encoder row `active[i]` (its prompt).
-            let encoder = encoder.map(|e| (e, group.active.as_slice()));
+            let encoder = self.encoder.as_ref().map(|e| (e, group.active.as_slice()));
             group.state = Some(model.start(group.active.len(), capacity, encoder)?);
         }
         let state = group
@@ -357,6 +357,8 @@ impl BeamRun {
                             scores: config.output_scores.then(|| f.hypothesis.scores.clone()),
                             logprobs: config.output_scores.then(|| f.hypothesis.logprobs.clone()),
                             sequence_score: (!aborted).then_some(f.score),
+                            // Beam search ranks hypotheses, not single tokens: no alternatives.
+                            top_logprobs: None,
                         })
                     })
                     .collect()
@@ -373,6 +375,7 @@ fn empty_sequence(config: &GenerationConfig) -> Sequence {
         scores: config.output_scores.then(Vec::new),
         logprobs: config.output_scores.then(Vec::new),
         sequence_score: None,
+        top_logprobs: None,
     }
 }
 
@@ -414,6 +417,7 @@ fn stream_events(
                 .output_scores
                 .then(|| h.logprobs.get(i).copied())
                 .flatten(),
+            top_logprobs: None,
         });
     }
     Ok(events)
