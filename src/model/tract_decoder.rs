@@ -54,13 +54,6 @@ struct Inner {
 
 impl TractDecoder {
     pub fn new(proto: &pb::ModelProto, sig: Arc<Signature>, vocab: usize) -> Result<Self> {
-        if sig.cache_mode == CacheMode::InPlace {
-            return Err(Error::Unsupported(
-                "graphs with com.microsoft.GroupQueryAttention (the in_place cache mode) are not \
-                 supported yet"
-                    .into(),
-            ));
-        }
         if !sig.takes_ids {
             return Err(Error::Unsupported(
                 "decoders that take `inputs_embeds` need an embeddings model".into(),
@@ -129,7 +122,7 @@ impl Inner {
 
 /// Read the graph into tract and declare its inputs (symbolic sequence and past lengths).
 fn parse(proto: &pb::ModelProto, sig: &Signature) -> Result<InferenceModel> {
-    let onnx = tract_onnx::onnx()
+    let onnx = super::ops::onnx()
         .with_ignore_output_shapes(true)
         .with_ignore_value_info(true);
     onnx.model_for_proto_model(proto).map_err(|e| {
@@ -165,7 +158,13 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
                 InferenceFact::dt_shape(id_dt, [b.clone(), s.clone()]),
             )
         } else if name == "attention_mask" {
-            let total = p.clone() + s.clone();
+            // in_place: the mask covers the valid positions of the longest row (new tokens
+            // included), at most the buffer's length `past`.
+            let total = if sig.cache_mode == CacheMode::InPlace {
+                TDim::from(model.symbols.sym("total"))
+            } else {
+                p.clone() + s.clone()
+            };
             let dt = sig.input(&name).map(|d| d.elem_type).unwrap_or(0);
             let dt = if dt == ONNX_INT32 {
                 i32::datum_type()
@@ -278,6 +277,7 @@ impl Decoder for TractDecoder {
         Ok(Box::new(TractState {
             decoder: self.0.clone(),
             cache,
+            broken: false,
         }))
     }
 }
@@ -286,6 +286,8 @@ impl Decoder for TractDecoder {
 struct TractState {
     decoder: Arc<Inner>,
     cache: KvCache,
+    /// A failed in_place step lost the buffers it had handed to the graph.
+    broken: bool,
 }
 
 impl DecoderState for TractState {
@@ -309,7 +311,8 @@ impl DecoderState for TractState {
         }
         match self.decoder.sig.cache_mode {
             CacheMode::Grow => self.step_grow(tokens, seq),
-            _ => self.step_append(tokens, &counts, seq),
+            CacheMode::InPlace => self.step_in_place(tokens, &counts, seq),
+            CacheMode::Append => self.step_append(tokens, &counts, seq),
         }
     }
 
@@ -360,11 +363,53 @@ impl TractState {
             m[cap..].fill(1);
         }
         let plan = self.decoder.plan(rows, false)?;
-        let outputs = self.run(&plan, rows, seq, ids, mask, positions, cap)?;
+        let outputs = self.run(&plan, rows, seq, ids, mask, positions)?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             self.cache
                 .append(l, &outputs[k], &outputs[v], cap, counts)?;
         }
+        self.cache.advance(counts);
+        last_logits(&outputs[plan.logits], counts, self.decoder.vocab)
+    }
+
+    /// `in_place` (GroupQueryAttention, past and present share one buffer): every row gets
+    /// `seq` positions after its length (its tokens, then padding that later steps overwrite);
+    /// the mask's ones count them (the graph derives `seqlens_k` and `total_sequence_length`
+    /// from it). The buffers are handed to the graph, which writes the new keys and values in
+    /// place and hands them back as the presents: nothing is copied.
+    fn step_in_place(&mut self, tokens: &[&[u32]], counts: &[usize], seq: usize) -> Result<Logits> {
+        if self.broken {
+            return Err(Error::Backend(
+                "this request's cache was lost by a failed step; start a new request".into(),
+            ));
+        }
+        let rows = tokens.len();
+        let total = self
+            .cache
+            .lengths
+            .iter()
+            .map(|l| l + seq)
+            .max()
+            .unwrap_or(0);
+        self.cache.reserve(total)?;
+        let mut ids = vec![0i64; rows * seq];
+        let mut mask = vec![0i64; rows * total];
+        for r in 0..rows {
+            for (j, &t) in tokens[r].iter().enumerate() {
+                ids[r * seq + j] = t as i64;
+            }
+            mask[r * total..r * total + self.cache.lengths[r] + seq].fill(1);
+        }
+        let plan = self.decoder.plan(rows, false)?;
+        // The graph owns the buffers while it runs; a failure loses them.
+        self.broken = true;
+        let outputs = self.run(&plan, rows, seq, ids, mask, vec![])?;
+        for (l, &(k, v)) in plan.presents.iter().enumerate() {
+            let key = outputs[k].clone().into_arc_tensor();
+            let value = outputs[v].clone().into_arc_tensor();
+            self.cache.layers[l] = (key, value);
+        }
+        self.broken = false;
         self.cache.advance(counts);
         last_logits(&outputs[plan.logits], counts, self.decoder.vocab)
     }
@@ -385,7 +430,7 @@ impl TractState {
             .collect();
         let mask = vec![1i64; rows * (len + seq)];
         let plan = self.decoder.plan(rows, len == 0)?;
-        let outputs = self.run(&plan, rows, seq, ids, mask, vec![], len)?;
+        let outputs = self.run(&plan, rows, seq, ids, mask, vec![])?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             let key = outputs[k].clone().into_arc_tensor();
             let value = outputs[v].clone().into_arc_tensor();
@@ -404,9 +449,10 @@ impl TractState {
         ids: Vec<i64>,
         mask: Vec<i64>,
         positions: Vec<i64>,
-        past: usize,
     ) -> Result<TVec<TValue>> {
         let mut inputs: TVec<TValue> = tvec![];
+        let in_place = self.decoder.sig.cache_mode == CacheMode::InPlace;
+        let empty = Arc::new(Tensor::zero::<f32>(&[0]).map_err(backend)?);
         for (ix, role) in plan.roles.iter().enumerate() {
             let fact_dt = plan
                 .runnable
@@ -416,8 +462,22 @@ impl TractState {
                 .datum_type;
             let v: TValue = match role {
                 Role::Ids => int_tensor(&ids, &[rows, seq], fact_dt)?.into(),
-                Role::Mask => int_tensor(&mask, &[rows, past + seq], fact_dt)?.into(),
+                Role::Mask => int_tensor(&mask, &[rows, mask.len() / rows.max(1)], fact_dt)?.into(),
                 Role::Positions => int_tensor(&positions, &[rows, seq], fact_dt)?.into(),
+                Role::PastKey(l) | Role::PastValue(l) if in_place => {
+                    // Hand the buffer over (the graph writes into it and returns it).
+                    let layer = self
+                        .cache
+                        .layers
+                        .get_mut(*l)
+                        .ok_or_else(|| Error::Backend(format!("the cache has no layer {l}")))?;
+                    let slot = if matches!(role, Role::PastKey(_)) {
+                        &mut layer.0
+                    } else {
+                        &mut layer.1
+                    };
+                    TValue::from_const(std::mem::replace(slot, empty.clone()))
+                }
                 Role::PastKey(l) => TValue::from_const(self.cache.layers[*l].0.clone()),
                 Role::PastValue(l) => TValue::from_const(self.cache.layers[*l].1.clone()),
             };
