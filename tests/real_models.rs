@@ -45,7 +45,7 @@ fn genai_files(root: &Path, build: &str) -> ModelFiles {
 }
 
 /// Load, answer the question greedily and compare with onnxruntime.
-fn check(name: &str, files: impl FnOnce(&Path) -> ModelFiles) {
+fn check(name: &str, says_paris: bool, files: impl FnOnce(&Path) -> ModelFiles) {
     let Some(root) = models_dir() else {
         eprintln!("SKIPPED: real models not found (set ONNX_GENERATE_REAL_MODELS or link .realmodels) — {name} did not run");
         return;
@@ -84,19 +84,23 @@ fn check(name: &str, files: impl FnOnce(&Path) -> ModelFiles) {
 
 #[test]
 fn smollm2_genai_int4_cpu() {
-    check("genai_int4_cpu", |root| genai_files(root, "genai_int4_cpu"));
-}
-
-#[test]
-fn smollm2_model_q4() {
-    check("model_q4", |root| {
-        ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("q4")).unwrap()
+    check("genai_int4_cpu", true, |root| {
+        genai_files(root, "genai_int4_cpu")
     });
 }
 
 #[test]
+fn smollm2_model_q4() {
+    check("model_q4", true, |root| {
+        ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("q4")).unwrap()
+    });
+}
+
+/// The int8 export answers in French under onnxruntime too ("L'Alma, la France, ..."): only
+/// the ids are compared.
+#[test]
 fn smollm2_model_quantized_int8() {
-    check("model_quantized", |root| {
+    check("model_quantized", false, |root| {
         ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("quantized")).unwrap()
     });
 }
