@@ -220,3 +220,23 @@ impl EvalOp for GbqOp {
         Ok(tvec!(out.into_tvalue()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::check;
+
+    #[test]
+    fn gbq_q4_b32() {
+        check("gbq_q4_b32");
+    }
+
+    #[test]
+    fn gbq_q4_b16_zp() {
+        check("gbq_q4_b16_zp");
+    }
+
+    #[test]
+    fn gbq_q8_b32_zp() {
+        check("gbq_q8_b32_zp");
+    }
+}

@@ -11,8 +11,8 @@
 //! total length); its `S` new keys and values are written at that offset *inside the past
 //! buffer*, which becomes `present_key` / `present_value`: when the caller hands the buffer over
 //! (it holds no other reference), nothing is copied. Query `s` of row `b` attends to keys
-//! `0..=past + s` (causal), the last `local_window_size + 1` of them when `local_window_size`
-//! is set, with scores `scale * q.k` (then `softcap * tanh(x / softcap)` when `softcap > 0`).
+//! `0..=past + s` (causal), the last `local_window_size` of them when `local_window_size`
+//! is set (the query's own key included), with scores `scale * q.k` (then `softcap * tanh(x / softcap)` when `softcap > 0`).
 //! Query head `n` reads KV head `n / (N / KV)`.
 //!
 //! Not supported (a load-time error naming the node): `attention_bias`, `head_sink`, quantized
@@ -510,8 +510,11 @@ fn attend(
                     r.apply(&mut qh, position(s), label)?;
                 }
                 let causal = past + s + 1;
-                let start = if g.local_window_size >= 0 && causal as i64 > g.local_window_size + 1 {
-                    causal - g.local_window_size as usize - 1
+                // The window holds the last `local_window_size` keys (the query's own included), as
+                // onnxruntime's CPU kernel computes it.
+                let window = g.local_window_size;
+                let start = if window >= 0 && causal as i64 > window {
+                    causal - window as usize
                 } else {
                     0
                 };
@@ -547,4 +550,29 @@ fn attend(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::check;
+
+    #[test]
+    fn gqa_prompt_packed_rotary() {
+        check("gqa_prompt_packed_rotary");
+    }
+
+    #[test]
+    fn gqa_decode_rotary_interleaved() {
+        check("gqa_decode_rotary_interleaved");
+    }
+
+    #[test]
+    fn gqa_subsequent_window_softcap() {
+        check("gqa_subsequent_window_softcap");
+    }
+
+    #[test]
+    fn gqa_decode_mha() {
+        check("gqa_decode_mha");
+    }
 }

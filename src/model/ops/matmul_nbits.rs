@@ -379,3 +379,33 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
     sum
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::check;
+
+    #[test]
+    fn mnb_q4_b32() {
+        check("mnb_q4_b32");
+    }
+
+    #[test]
+    fn mnb_q4_b16_zp_bias() {
+        check("mnb_q4_b16_zp_bias");
+    }
+
+    #[test]
+    fn mnb_q4_b128_zp_partial() {
+        check("mnb_q4_b128_zp_partial");
+    }
+
+    #[test]
+    fn mnb_q8_b64_zp() {
+        check("mnb_q8_b64_zp");
+    }
+
+    #[test]
+    fn mnb_q8_b256() {
+        check("mnb_q8_b256");
+    }
+}
