@@ -528,3 +528,85 @@ fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Result<Logits
     }
     Ok(Logits { rows, vocab, data })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{onnx, ModelFiles};
+
+    fn genai_state(capacity: usize) -> TractState {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/models/llama-genai");
+        let files = ModelFiles::from_dir(&dir, None).unwrap();
+        let proto = onnx::decode(
+            &files.model,
+            files.external_data.as_deref(),
+            &files.model_name,
+        )
+        .unwrap();
+        let config: serde_json::Value = serde_json::from_slice(&files.config).unwrap();
+        let sig = Arc::new(Signature::read(&proto, &config).unwrap());
+        assert_eq!(sig.cache_mode, CacheMode::InPlace);
+        let decoder = TractDecoder::new(&proto, sig.clone(), 512).unwrap();
+        let cache = KvCache::new(
+            sig.layers.len(),
+            2,
+            sig.kv_heads,
+            capacity,
+            sig.head_dim,
+            sig.kv_dtype,
+        )
+        .unwrap();
+        TractState {
+            decoder: decoder.0.clone(),
+            cache,
+            broken: false,
+        }
+    }
+
+    fn buffers(state: &TractState) -> Vec<*const u8> {
+        state
+            .cache
+            .layers
+            .iter()
+            .flat_map(|(k, v)| [k.as_bytes().as_ptr(), v.as_bytes().as_ptr()])
+            .collect()
+    }
+
+    /// The in_place step hands the buffers to GroupQueryAttention, which writes the new rows
+    /// into them and returns them: the same memory before and after every step (no copy).
+    #[test]
+    fn in_place_steps_keep_the_same_buffers() {
+        let mut state = genai_state(16);
+        let before = buffers(&state);
+        state.step(&[&[1, 5, 9], &[1, 7]]).unwrap();
+        state.step(&[&[3], &[4]]).unwrap();
+        state.step(&[&[6], &[8]]).unwrap();
+        assert_eq!(state.cache.lengths, vec![5, 4]);
+        assert_eq!(buffers(&state), before, "a step copied the cache");
+        assert_eq!(state.cache.capacity(), 16);
+    }
+
+    /// Rows of different lengths in one step give the same logits as each row alone.
+    #[test]
+    fn in_place_rows_are_independent() {
+        let mut both = genai_state(8);
+        let a = both.step(&[&[1, 5, 9], &[1, 7]]).unwrap();
+        let b = both.step(&[&[3], &[4, 2]]).unwrap();
+        for (r, (first, second)) in [(&[1u32, 5, 9][..], &[3u32][..]), (&[1, 7], &[4, 2])]
+            .into_iter()
+            .enumerate()
+        {
+            let mut alone = genai_state(8);
+            alone.cache = KvCache::new(2, 1, 2, 8, 16, Dtype::F32).unwrap();
+            let x = alone.step(&[first]).unwrap();
+            let y = alone.step(&[second]).unwrap();
+            for (p, q) in x.row(0).iter().zip(a.row(r)) {
+                assert!((p - q).abs() < 1e-4, "row {r}, step 1: {p} vs {q}");
+            }
+            for (p, q) in y.row(0).iter().zip(b.row(r)) {
+                assert!((p - q).abs() < 1e-4, "row {r}, step 2: {p} vs {q}");
+            }
+        }
+    }
+}
