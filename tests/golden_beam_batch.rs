@@ -66,6 +66,12 @@ fn gpt2_merged_beam_and_batch() {
     run("gpt2-merged");
 }
 
+/// The onnxruntime-genai build (GroupQueryAttention, the `in_place` cache mode).
+#[test]
+fn llama_genai_in_place_beam_and_batch() {
+    run("llama-genai");
+}
+
 /// The encoder-decoder: beams share the prompt's cross-attention cache, which moves only with
 /// the rows of another prompt.
 #[test]
@@ -140,7 +146,7 @@ fn batch_rows_of_different_lengths_equal_each_prompt_alone() {
     let greedy = json!({"max_new_tokens": 9, "output_scores": true});
     let beams = json!({"max_new_tokens": 7, "num_beams": 3, "num_return_sequences": 2,
         "output_scores": true});
-    for name in ["llama", "gpt2", "gpt2-nopos", "gpt2-merged"] {
+    for name in ["llama", "llama-genai", "gpt2", "gpt2-nopos", "gpt2-merged"] {
         rows_equal_alone(name, greedy.clone());
         rows_equal_alone(name, beams.clone());
     }
