@@ -187,7 +187,13 @@ impl Generation {
             false => None,
         };
         let stop_strings = match &config.stop_strings {
-            Some(s) => Some(StopStrings::new(s)?),
+            Some(s) => Some(
+                StopStrings::new(s)?.with_prefix(
+                    model
+                        .tokenizer
+                        .encode(crate::processors::stop_strings::STATIC_PREFIX, false)?,
+                ),
+            ),
             None => None,
         };
         let rows: Vec<Row> = prompts
@@ -333,7 +339,9 @@ impl Generation {
                 row.ids.push(token);
                 text = row.stream.push(&model.tokenizer, token)?;
                 let stop = match &self.stop_strings {
-                    Some(s) => s.matches(&row.ids, |ids| model.tokenizer.decode(ids))?,
+                    Some(s) => s.matches(&row.ids, |ids| {
+                        model.tokenizer.decode_with_special_tokens(ids)
+                    })?,
                     None => false,
                 };
                 if stop {
