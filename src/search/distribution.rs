@@ -5,7 +5,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::{invalid, Result};
-use crate::model::Model;
+use crate::model::{EncoderInput, Model};
 use crate::processors::{Chain, RowContext};
 use crate::search::softmax_into;
 
@@ -27,15 +27,42 @@ impl Model {
         if prompt.is_empty() {
             return invalid!("the prompt is empty: a prompt needs at least one token");
         }
-        let ids: Vec<u32> = prompt.iter().chain(generated).copied().collect();
-        if let Some((i, &t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+        let all: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+        if let Some((i, &t)) = all.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
             return invalid!(
                 "token id {t} at position {i} of the input is outside the vocabulary (0..{vocab})"
             );
         }
         let mut chain = Chain::build(&config, vocab, vec![])?;
-        let budget = config.new_token_budget(prompt.len()).max(1);
-        let mut state = self.decoder().start(1, ids.len() + 1)?;
+        // An encoder-decoder reads the prompt with its encoder; its decoder sequence starts
+        // with `decoder_start_token_id`.
+        let encoder = self
+            .is_encoder_decoder()
+            .then(|| EncoderInput::Ids(vec![prompt.to_vec()]));
+        let (ids, prompt_len, budget) = match &encoder {
+            Some(_) => {
+                let start = config
+                    .decoder_start_token_id
+                    .or(self.decoder_start_token_id());
+                let Some(start) = start else {
+                    return invalid!("the encoder-decoder has no `decoder_start_token_id`");
+                };
+                let ids: Vec<u32> = std::iter::once(start)
+                    .chain(generated.iter().copied())
+                    .collect();
+                (ids, 1, config.seq2seq_new_token_budget(1).max(1))
+            }
+            None => (
+                all,
+                prompt.len(),
+                config.new_token_budget(prompt.len()).max(1),
+            ),
+        };
+        let mut state = self.start(
+            1,
+            ids.len() + 1,
+            encoder.as_ref().map(|e| (e, &[0usize][..])),
+        )?;
         // Feed the tokens in power-of-two chunks, as the generation loop does.
         let mut fed = 0;
         let mut logits = None;
@@ -52,8 +79,8 @@ impl Model {
         let ctx = RowContext {
             row: 0,
             ids: &ids,
-            prompt_len: prompt.len(),
-            max_length: prompt.len() + budget,
+            prompt_len,
+            max_length: prompt_len + budget,
         };
         chain.apply(&ctx, &mut scores)?;
         let mut probs = vec![];

@@ -4,6 +4,8 @@
 pub mod distribution;
 pub mod sampling;
 
+pub mod beam;
+
 /// Index of the largest score (the first one on ties, as `torch.argmax`).
 pub fn argmax(scores: &[f32]) -> u32 {
     let mut best = 0;
