@@ -10,7 +10,7 @@ use crate::decoder::DecoderState;
 use crate::error::{invalid, Error, Result};
 use crate::model::{EncoderInput, Model};
 use crate::processors::stop_strings::StopStrings;
-use crate::processors::{Chain, LogitsProcessor, RowContext};
+use crate::processors::{Chain, ChainInputs, LogitsProcessor, RowContext};
 use crate::search;
 use crate::search::sampling::Sampler;
 use crate::tokenizer::TextStream;
@@ -227,7 +227,14 @@ impl Generation {
                 );
             }
         }
-        let chain = Chain::build(&config, vocab, custom)?;
+        let inputs = ChainInputs {
+            encoder_ids: match &encoder {
+                Some(EncoderInput::Ids(ids)) => Some(ids.clone()),
+                _ => None,
+            },
+            encoder_features: matches!(encoder, Some(EncoderInput::Features { .. })),
+        };
+        let chain = Chain::build_with(&config, vocab, &inputs, custom)?;
         if config.num_beams > 1 {
             let beams = Some(beams::BeamRun::new(
                 model,
