@@ -3,6 +3,7 @@
 
 pub mod files;
 pub mod onnx;
+pub mod ops;
 pub mod seq2seq;
 pub mod signature;
 pub mod tract_decoder;

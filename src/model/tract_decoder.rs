@@ -54,13 +54,6 @@ struct Inner {
 
 impl TractDecoder {
     pub fn new(proto: &pb::ModelProto, sig: Arc<Signature>, vocab: usize) -> Result<Self> {
-        if sig.cache_mode == CacheMode::InPlace {
-            return Err(Error::Unsupported(
-                "graphs with com.microsoft.GroupQueryAttention (the in_place cache mode) are not \
-                 supported yet"
-                    .into(),
-            ));
-        }
         if !sig.takes_ids {
             return Err(Error::Unsupported(
                 "decoders that take `inputs_embeds` need an embeddings model".into(),
@@ -129,7 +122,7 @@ impl Inner {
 
 /// Read the graph into tract and declare its inputs (symbolic sequence and past lengths).
 pub(crate) fn parse_graph(proto: &pb::ModelProto, sig: &Signature) -> Result<InferenceModel> {
-    let onnx = tract_onnx::onnx()
+    let onnx = super::ops::onnx()
         .with_ignore_output_shapes(true)
         .with_ignore_value_info(true);
     onnx.model_for_proto_model(proto).map_err(|e| {
@@ -165,7 +158,13 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
                 InferenceFact::dt_shape(id_dt, [b.clone(), s.clone()]),
             )
         } else if name == "attention_mask" {
-            let total = p.clone() + s.clone();
+            // in_place: the mask covers the valid positions of the longest row (new tokens
+            // included), at most the buffer's length `past`.
+            let total = if sig.cache_mode == CacheMode::InPlace {
+                TDim::from(model.symbols.sym("total"))
+            } else {
+                p.clone() + s.clone()
+            };
             let dt = sig.input(&name).map(|d| d.elem_type).unwrap_or(0);
             let dt = if dt == ONNX_INT32 {
                 i32::datum_type()
@@ -278,6 +277,7 @@ impl Decoder for TractDecoder {
         Ok(Box::new(TractState {
             decoder: self.0.clone(),
             cache,
+            broken: false,
         }))
     }
 }
@@ -286,6 +286,8 @@ impl Decoder for TractDecoder {
 struct TractState {
     decoder: Arc<Inner>,
     cache: KvCache,
+    /// A failed in_place step lost the buffers it had handed to the graph.
+    broken: bool,
 }
 
 impl DecoderState for TractState {
@@ -309,7 +311,8 @@ impl DecoderState for TractState {
         }
         match self.decoder.sig.cache_mode {
             CacheMode::Grow => self.step_grow(tokens, seq),
-            _ => self.step_append(tokens, &counts, seq),
+            CacheMode::InPlace => self.step_in_place(tokens, &counts, seq),
+            CacheMode::Append => self.step_append(tokens, &counts, seq),
         }
     }
 
@@ -368,11 +371,53 @@ impl TractState {
             m[cap..].fill(1);
         }
         let plan = self.decoder.plan(rows, false)?;
-        let outputs = self.run(&plan, rows, seq, ids, mask, positions, cap)?;
+        let outputs = self.run(&plan, rows, seq, ids, mask, positions)?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             self.cache
                 .append(l, &outputs[k], &outputs[v], cap, counts)?;
         }
+        self.cache.advance(counts);
+        last_logits(&outputs[plan.logits], counts, self.decoder.vocab)
+    }
+
+    /// `in_place` (GroupQueryAttention, past and present share one buffer): every row gets
+    /// `seq` positions after its length (its tokens, then padding that later steps overwrite);
+    /// the mask's ones count them (the graph derives `seqlens_k` and `total_sequence_length`
+    /// from it). The buffers are handed to the graph, which writes the new keys and values in
+    /// place and hands them back as the presents: nothing is copied.
+    fn step_in_place(&mut self, tokens: &[&[u32]], counts: &[usize], seq: usize) -> Result<Logits> {
+        if self.broken {
+            return Err(Error::Backend(
+                "this request's cache was lost by a failed step; start a new request".into(),
+            ));
+        }
+        let rows = tokens.len();
+        let total = self
+            .cache
+            .lengths
+            .iter()
+            .map(|l| l + seq)
+            .max()
+            .unwrap_or(0);
+        self.cache.reserve(total)?;
+        let mut ids = vec![0i64; rows * seq];
+        let mut mask = vec![0i64; rows * total];
+        for r in 0..rows {
+            for (j, &t) in tokens[r].iter().enumerate() {
+                ids[r * seq + j] = t as i64;
+            }
+            mask[r * total..r * total + self.cache.lengths[r] + seq].fill(1);
+        }
+        let plan = self.decoder.plan(rows, false)?;
+        // The graph owns the buffers while it runs; a failure loses them.
+        self.broken = true;
+        let outputs = self.run(&plan, rows, seq, ids, mask, vec![])?;
+        for (l, &(k, v)) in plan.presents.iter().enumerate() {
+            let key = outputs[k].clone().into_arc_tensor();
+            let value = outputs[v].clone().into_arc_tensor();
+            self.cache.layers[l] = (key, value);
+        }
+        self.broken = false;
         self.cache.advance(counts);
         last_logits(&outputs[plan.logits], counts, self.decoder.vocab)
     }
@@ -393,7 +438,7 @@ impl TractState {
             .collect();
         let mask = vec![1i64; rows * (len + seq)];
         let plan = self.decoder.plan(rows, len == 0)?;
-        let outputs = self.run(&plan, rows, seq, ids, mask, vec![], len)?;
+        let outputs = self.run(&plan, rows, seq, ids, mask, vec![])?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             let key = outputs[k].clone().into_arc_tensor();
             let value = outputs[v].clone().into_arc_tensor();
@@ -412,9 +457,10 @@ impl TractState {
         ids: Vec<i64>,
         mask: Vec<i64>,
         positions: Vec<i64>,
-        past: usize,
     ) -> Result<TVec<TValue>> {
         let mut inputs: TVec<TValue> = tvec![];
+        let in_place = self.decoder.sig.cache_mode == CacheMode::InPlace;
+        let empty = Arc::new(Tensor::zero::<f32>(&[0]).map_err(backend)?);
         for (ix, role) in plan.roles.iter().enumerate() {
             let fact_dt = plan
                 .runnable
@@ -424,8 +470,22 @@ impl TractState {
                 .datum_type;
             let v: TValue = match role {
                 Role::Ids => int_tensor(&ids, &[rows, seq], fact_dt)?.into(),
-                Role::Mask => int_tensor(&mask, &[rows, past + seq], fact_dt)?.into(),
+                Role::Mask => int_tensor(&mask, &[rows, mask.len() / rows.max(1)], fact_dt)?.into(),
                 Role::Positions => int_tensor(&positions, &[rows, seq], fact_dt)?.into(),
+                Role::PastKey(l) | Role::PastValue(l) if in_place => {
+                    // Hand the buffer over (the graph writes into it and returns it).
+                    let layer = self
+                        .cache
+                        .layers
+                        .get_mut(*l)
+                        .ok_or_else(|| Error::Backend(format!("the cache has no layer {l}")))?;
+                    let slot = if matches!(role, Role::PastKey(_)) {
+                        &mut layer.0
+                    } else {
+                        &mut layer.1
+                    };
+                    TValue::from_const(std::mem::replace(slot, empty.clone()))
+                }
                 Role::PastKey(l) => TValue::from_const(self.cache.layers[*l].0.clone()),
                 Role::PastValue(l) => TValue::from_const(self.cache.layers[*l].1.clone()),
             };
@@ -475,4 +535,86 @@ pub(crate) fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Re
         data[r * vocab..(r + 1) * vocab].copy_from_slice(&all[at..at + vocab]);
     }
     Ok(Logits { rows, vocab, data })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{onnx, ModelFiles};
+
+    fn genai_state(capacity: usize) -> TractState {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/models/llama-genai");
+        let files = ModelFiles::from_dir(&dir, None).unwrap();
+        let proto = onnx::decode(
+            &files.model,
+            files.external_data.as_deref(),
+            &files.model_name,
+        )
+        .unwrap();
+        let config: serde_json::Value = serde_json::from_slice(&files.config).unwrap();
+        let sig = Arc::new(Signature::read(&proto, &config).unwrap());
+        assert_eq!(sig.cache_mode, CacheMode::InPlace);
+        let decoder = TractDecoder::new(&proto, sig.clone(), 512).unwrap();
+        let cache = KvCache::new(
+            sig.layers.len(),
+            2,
+            sig.kv_heads,
+            capacity,
+            sig.head_dim,
+            sig.kv_dtype,
+        )
+        .unwrap();
+        TractState {
+            decoder: decoder.0.clone(),
+            cache,
+            broken: false,
+        }
+    }
+
+    fn buffers(state: &TractState) -> Vec<*const u8> {
+        state
+            .cache
+            .layers
+            .iter()
+            .flat_map(|(k, v)| [k.as_bytes().as_ptr(), v.as_bytes().as_ptr()])
+            .collect()
+    }
+
+    /// The in_place step hands the buffers to GroupQueryAttention, which writes the new rows
+    /// into them and returns them: the same memory before and after every step (no copy).
+    #[test]
+    fn in_place_steps_keep_the_same_buffers() {
+        let mut state = genai_state(16);
+        let before = buffers(&state);
+        state.step(&[&[1, 5, 9], &[1, 7]]).unwrap();
+        state.step(&[&[3], &[4]]).unwrap();
+        state.step(&[&[6], &[8]]).unwrap();
+        assert_eq!(state.cache.lengths, vec![5, 4]);
+        assert_eq!(buffers(&state), before, "a step copied the cache");
+        assert_eq!(state.cache.capacity(), 16);
+    }
+
+    /// Rows of different lengths in one step give the same logits as each row alone.
+    #[test]
+    fn in_place_rows_are_independent() {
+        let mut both = genai_state(8);
+        let a = both.step(&[&[1, 5, 9], &[1, 7]]).unwrap();
+        let b = both.step(&[&[3], &[4, 2]]).unwrap();
+        for (r, (first, second)) in [(&[1u32, 5, 9][..], &[3u32][..]), (&[1, 7], &[4, 2])]
+            .into_iter()
+            .enumerate()
+        {
+            let mut alone = genai_state(8);
+            alone.cache = KvCache::new(2, 1, 2, 8, 16, Dtype::F32).unwrap();
+            let x = alone.step(&[first]).unwrap();
+            let y = alone.step(&[second]).unwrap();
+            for (p, q) in x.row(0).iter().zip(a.row(r)) {
+                assert!((p - q).abs() < 1e-4, "row {r}, step 1: {p} vs {q}");
+            }
+            for (p, q) in y.row(0).iter().zip(b.row(r)) {
+                assert!((p - q).abs() < 1e-4, "row {r}, step 2: {p} vs {q}");
+            }
+        }
+    }
 }

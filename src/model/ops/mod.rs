@@ -1,0 +1,181 @@
+//! `com.microsoft` contrib ops that onnxruntime-genai and transformers.js exports use, written
+//! for tract-onnx's op registry. One module per op; each documents what it supports and fails
+//! at load time, naming the node, on anything else.
+//!
+//! The layer norms (`SimplifiedLayerNormalization`, `SkipSimplifiedLayerNormalization`,
+//! `SkipLayerNormalization`), `RotaryEmbedding` and the `MatMulInteger` /
+//! `DynamicQuantizeLinear` path are tract-onnx's own; `tests/contrib_ops.rs` checks them
+//! against onnxruntime like the ops written here.
+
+pub mod gather_block_quantized;
+pub mod group_query_attention;
+pub mod matmul_nbits;
+pub mod tract_builtins;
+
+use tract_onnx::model::OnnxOpRegister;
+use tract_onnx::pb::NodeProto;
+
+/// Register the ops of this module (replacing tract-onnx's builders of the same names).
+pub fn register(reg: &mut OnnxOpRegister) {
+    reg.insert(
+        "GroupQueryAttention",
+        group_query_attention::group_query_attention,
+    );
+    reg.insert("MatMulNBits", matmul_nbits::matmul_nbits);
+    reg.insert(
+        "GatherBlockQuantized",
+        gather_block_quantized::gather_block_quantized,
+    );
+}
+
+/// tract-onnx with the ops of this module registered.
+pub fn onnx() -> tract_onnx::Onnx {
+    let mut onnx = tract_onnx::onnx();
+    register(&mut onnx.op_register);
+    onnx
+}
+
+/// `op 'name'` for error messages.
+pub(crate) fn node_label(node: &NodeProto) -> String {
+    format!("{} node '{}'", node.op_type, node.name)
+}
+
+/// Position among the node's non-empty inputs of ONNX input `index` (None: absent).
+pub(crate) fn input_slot(node: &NodeProto, index: usize) -> Option<usize> {
+    if node.input.get(index).is_none_or(|s| s.is_empty()) {
+        return None;
+    }
+    Some(node.input[..index].iter().filter(|s| !s.is_empty()).count())
+}
+
+/// Whether output `index` of the node is wired.
+pub(crate) fn has_output(node: &NodeProto, index: usize) -> bool {
+    node.output.get(index).is_some_and(|s| !s.is_empty())
+}
+
+/// The dims of an initializer of the model, when `name` is one.
+pub(crate) fn initializer_dims(
+    ctx: &tract_onnx::model::ParsingContext,
+    name: &str,
+) -> Option<Vec<i64>> {
+    let graphs = ctx
+        .model
+        .graph
+        .iter()
+        .chain(ctx.parent_graphs.iter().copied());
+    for g in graphs {
+        if let Some(t) = g.initializer.iter().find(|t| t.name == name) {
+            return Some(t.dims.clone());
+        }
+    }
+    None
+}
+
+/// Runs a case of `tests/fixtures/ops` (made by `scripts/op_references.py` with onnxruntime)
+/// through tract with these ops registered and compares every output.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::path::PathBuf;
+
+    use serde_json::Value;
+    use tract_onnx::prelude::*;
+
+    fn tensor(v: &Value) -> Tensor {
+        let shape: Vec<usize> = v["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect();
+        let data = v["data"].as_array().unwrap();
+        let f = |x: &Value| x.as_f64().unwrap();
+        match v["dtype"].as_str().unwrap() {
+            "f32" => {
+                let d: Vec<f32> = data.iter().map(|x| f(x) as f32).collect();
+                Tensor::from_shape(&shape, &d).unwrap()
+            }
+            "i64" => {
+                let d: Vec<i64> = data.iter().map(|x| x.as_i64().unwrap()).collect();
+                Tensor::from_shape(&shape, &d).unwrap()
+            }
+            "i32" => {
+                let d: Vec<i32> = data.iter().map(|x| x.as_i64().unwrap() as i32).collect();
+                Tensor::from_shape(&shape, &d).unwrap()
+            }
+            "u8" => {
+                let d: Vec<u8> = data.iter().map(|x| x.as_u64().unwrap() as u8).collect();
+                Tensor::from_shape(&shape, &d).unwrap()
+            }
+            t => panic!("dtype {t}"),
+        }
+    }
+
+    /// Zero positions `valid[b]..` of axis 2 of every row `b` of a rank-4 cache tensor.
+    fn mask_cache(t: &mut [f32], shape: &[usize], valid: &[usize]) {
+        let (heads, len, dim) = (shape[1], shape[2], shape[3]);
+        for (b, &v) in valid.iter().enumerate() {
+            for h in 0..heads {
+                let at = (b * heads + h) * len * dim;
+                t[at + v * dim..at + len * dim].fill(0.0);
+            }
+        }
+    }
+
+    pub fn check(name: &str) {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ops");
+        let case: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
+        )
+        .unwrap();
+        let mut model = super::onnx()
+            .model_for_path(dir.join(format!("{name}.onnx")))
+            .unwrap();
+        let inputs: Vec<Tensor> = case["inputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(tensor)
+            .collect();
+        for (ix, t) in inputs.iter().enumerate() {
+            model
+                .set_input_fact(ix, InferenceFact::dt_shape(t.datum_type(), t.shape()))
+                .unwrap();
+        }
+        let plan = model.into_optimized().unwrap().into_runnable().unwrap();
+        let outputs = plan
+            .run(inputs.into_iter().map(|t| t.into_tvalue()).collect())
+            .unwrap();
+        let valid: Option<Vec<usize>> = case["present_valid"]
+            .as_array()
+            .map(|v| v.iter().map(|x| x.as_u64().unwrap() as usize).collect());
+        for (want, got) in case["outputs"].as_array().unwrap().iter().zip(outputs) {
+            let out_name = want["name"].as_str().unwrap();
+            let want = tensor(want);
+            assert_eq!(got.shape(), want.shape(), "{name}: shape of {out_name}");
+            let got = got.cast_to::<f32>().unwrap().into_owned();
+            let want = want.cast_to::<f32>().unwrap().into_owned();
+            let mut g = got
+                .try_as_plain_ram()
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap()
+                .to_vec();
+            let mut w = want
+                .try_as_plain_ram()
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap()
+                .to_vec();
+            if let (Some(valid), 4) = (&valid, got.rank()) {
+                mask_cache(&mut g, got.shape(), valid);
+                mask_cache(&mut w, got.shape(), valid);
+            }
+            for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-4 + 1e-4 * b.abs(),
+                    "{name}: {out_name}[{i}] is {a}, onnxruntime gives {b}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! The contrib ops tract-onnx already provides, checked against onnxruntime like the ops of this
+//! module: `SimplifiedLayerNormalization`, `SkipSimplifiedLayerNormalization`,
+//! `SkipLayerNormalization`, `RotaryEmbedding` (com.microsoft, interleaved or not) and the
+//! `DynamicQuantizeLinear` -> `MatMulInteger` path of dynamically quantized (int8) exports.
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::check;
+
+    #[test]
+    fn simplified_layer_norm() {
+        check("simplified_layer_norm");
+    }
+
+    #[test]
+    fn skip_simplified_layer_norm() {
+        check("skip_simplified_layer_norm");
+    }
+
+    #[test]
+    fn skip_layer_norm() {
+        check("skip_layer_norm");
+    }
+
+    #[test]
+    fn rotary_embedding_interleaved0() {
+        check("rotary_embedding_interleaved0");
+    }
+
+    #[test]
+    fn rotary_embedding_interleaved1() {
+        check("rotary_embedding_interleaved1");
+    }
+
+    #[test]
+    fn dynamic_quantize_matmul_integer() {
+        check("dynamic_quantize_matmul_integer");
+    }
+}

@@ -1,0 +1,107 @@
+//! SmolLM2-135M-Instruct as people ship it: the onnxruntime-genai int4 build (GroupQueryAttention,
+//! MatMulNBits, GatherBlockQuantized; the in_place cache) and transformers.js' `model_q4.onnx`
+//! (MatMulNBits) and `model_quantized.onnx` (MatMulInteger / DynamicQuantizeLinear). Each answers
+//! "What is the capital of France?" with "Paris", and its first 32 greedy ids equal onnxruntime's
+//! on the same file (tests/fixtures/real/smollm2.json, made by scripts/real_reference.py).
+//!
+//! The models are not in the repository: they are looked up in `$ONNX_GENERATE_REAL_MODELS`, else
+//! `.realmodels/` at the repository root; without them each test prints
+//! "SKIPPED: real models not found" and passes.
+
+use std::path::{Path, PathBuf};
+
+use onnx_generate::{Model, ModelFiles};
+use serde_json::Value;
+
+fn models_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("ONNX_GENERATE_REAL_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".realmodels"));
+    dir.join("smollm2/tjs/config.json").is_file().then_some(dir)
+}
+
+fn expected() -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/real/smollm2.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn read(p: &Path) -> Vec<u8> {
+    std::fs::read(p).unwrap_or_else(|e| panic!("cannot read {}: {e}", p.display()))
+}
+
+/// The onnxruntime-genai folder has no config.json: the transformers.js folder of the same
+/// model supplies it (and the generation config and tokenizer).
+fn genai_files(root: &Path, build: &str) -> ModelFiles {
+    let tjs = root.join("smollm2/tjs");
+    let dir = root.join("smollm2").join(build);
+    ModelFiles {
+        model_name: "model.onnx".into(),
+        model: read(&dir.join("model.onnx")),
+        external_data: Some(read(&dir.join("model.onnx.data"))),
+        config: read(&tjs.join("config.json")),
+        generation_config: Some(read(&tjs.join("generation_config.json"))),
+        tokenizer: read(&tjs.join("tokenizer.json")),
+        ..Default::default()
+    }
+}
+
+/// Load, answer the question greedily and compare with onnxruntime.
+fn check(name: &str, says_paris: bool, files: impl FnOnce(&Path) -> ModelFiles) {
+    let Some(root) = models_dir() else {
+        eprintln!("SKIPPED: real models not found (set ONNX_GENERATE_REAL_MODELS or link .realmodels) — {name} did not run");
+        return;
+    };
+    let golden = expected();
+    let want: Vec<u32> = golden["expected"][name]["ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no expected ids for {name}"))
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let prompt: Vec<u32> = golden["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let model = Model::load(&files(&root)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let options =
+        serde_json::json!({"max_new_tokens": golden["max_new_tokens"], "do_sample": false});
+    let out = model
+        .generate(&[prompt], options.as_object().unwrap(), |_| {})
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let seq = &out.sequences[0][0];
+    eprintln!("{name}: {:?} {:?}", seq.text, seq.token_ids);
+    assert_eq!(
+        seq.token_ids, want,
+        "{name}: greedy ids differ from onnxruntime's"
+    );
+    assert!(
+        seq.text.contains("Paris"),
+        "{name}: {:?} does not say Paris",
+        seq.text
+    );
+}
+
+#[test]
+fn smollm2_genai_int4_cpu() {
+    check("genai_int4_cpu", true, |root| {
+        genai_files(root, "genai_int4_cpu")
+    });
+}
+
+#[test]
+fn smollm2_model_q4() {
+    check("model_q4", true, |root| {
+        ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("q4")).unwrap()
+    });
+}
+
+/// The int8 export answers in French under onnxruntime too ("L'Alma, la France, ..."): only
+/// the ids are compared.
+#[test]
+fn smollm2_model_quantized_int8() {
+    check("model_quantized", false, |root| {
+        ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("quantized")).unwrap()
+    });
+}
