@@ -6,7 +6,13 @@
 //! ```
 //! `MODEL_DIR` defaults to `.realmodels/smollm2/tjs` (transformers.js layout). Each size runs
 //! twice: the first run also compiles the plan of that batch size (tract fixes the batch size
-//! in a plan), the second is the steady figure.
+//! in a plan), the second is the steady figure. The last part measures whether dropping
+//! finished rows from the batch pays: rows that stop at different steps (eos = ".") run once
+//! with only the plans of 1, 4 and 8 rows compiled (finished rows sit out, or leave into those
+//! sizes), then again with every size compiled (finished rows always leave), and the compile
+//! time of each size is printed.
+//!
+//! wasm: not measured here (the wasm build and its benchmark belong to the wasm work).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -81,7 +87,42 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             (rows * 4) as f64 * new_tokens as f64 / total
         );
     }
+    compaction(&model, &prompts, new_tokens)?;
     println!("plans compiled: {}", model.plans());
+    Ok(())
+}
+
+/// Rows that stop at different steps: with the plans of 1, 4 and 8 rows only, then with every
+/// batch size compiled; and the compile time of each size.
+fn compaction(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    new_tokens: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let dot = model.tokenizer.token_to_id(".").ok_or("no `.` token")?;
+    let opts = json!({"max_new_tokens": new_tokens, "eos_token_id": [dot]});
+    let (sparse, _, _) = timed(model, prompts, &opts)?;
+    let out = model.generate(
+        prompts,
+        &opts.as_object().cloned().unwrap_or_default(),
+        |_| {},
+    )?;
+    let lengths: Vec<usize> = out.sequences.iter().map(|s| s[0].token_ids.len()).collect();
+    println!("rows stopping at different steps (eos \".\"): new tokens per row {lengths:?}");
+    let one = json!({"max_new_tokens": 1, "eos_token_id": null});
+    let mut compile = vec![];
+    for rows in [2usize, 3, 5, 6, 7] {
+        let some: Vec<Vec<u32>> = (0..rows).map(|_| prompts[7].clone()).collect();
+        let (first, _, _) = timed(model, &some, &one)?;
+        let (again, _, _) = timed(model, &some, &one)?;
+        compile.push(format!("{rows}: {:.2}s", first - again));
+    }
+    println!("compile time of a new batch size: {}", compile.join(", "));
+    let (dense, _, _) = timed(model, prompts, &opts)?;
+    println!(
+        "8 rows, finished rows sit out unless 1/4/8 is compiled: {sparse:.2}s; \
+         every size compiled, finished rows always leave: {dense:.2}s"
+    );
     Ok(())
 }
 

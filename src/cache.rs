@@ -123,34 +123,41 @@ impl KvCache {
             )));
         }
         let lengths: Vec<usize> = parents.iter().map(|&p| self.lengths[p]).collect();
-        if parents.len() == rows {
-            let moves: Vec<(usize, usize)> = parents
-                .iter()
-                .enumerate()
-                .filter(|&(r, &p)| r != p)
-                .map(|(r, &p)| (r, p))
-                .collect();
-            if moves.is_empty() {
-                return Ok(());
-            }
-            for (k, v) in self.layers.iter_mut() {
-                for t in [k, v] {
-                    match Arc::get_mut(t) {
-                        Some(t) => move_rows(t, &moves, &mut self.scratch)?,
-                        // Still shared (never after a step completes): copy instead.
-                        None => *t = Arc::new(gather_rows(t, parents)?),
-                    }
-                }
-            }
-        } else {
-            for (k, v) in self.layers.iter_mut() {
-                *k = Arc::new(gather_rows(k, parents)?);
-                *v = Arc::new(gather_rows(v, parents)?);
-            }
+        for (k, v) in self.layers.iter_mut() {
+            reorder_tensor(k, parents, &mut self.scratch)?;
+            reorder_tensor(v, parents, &mut self.scratch)?;
         }
         self.lengths = lengths;
         Ok(())
     }
+}
+
+/// Row `r` of `t` (axis 0) becomes the old row `parents[r]`, in place when `t` is not shared
+/// and the number of rows is unchanged (through `scratch`, reused between calls), else by a
+/// gather into a new tensor.
+pub fn reorder_tensor(t: &mut Arc<Tensor>, parents: &[usize], scratch: &mut Vec<u8>) -> Result<()> {
+    let rows = t.shape().first().copied().unwrap_or(0);
+    if let Some(&bad) = parents.iter().find(|&&p| p >= rows) {
+        return Err(Error::InvalidInput(format!(
+            "reorder: parent row {bad} of {rows} rows"
+        )));
+    }
+    if parents.len() == rows {
+        let moves: Vec<(usize, usize)> = parents
+            .iter()
+            .enumerate()
+            .filter(|&(r, &p)| r != p)
+            .map(|(r, &p)| (r, p))
+            .collect();
+        if moves.is_empty() {
+            return Ok(());
+        }
+        if let Some(t) = Arc::get_mut(t) {
+            return move_rows(t, &moves, scratch);
+        }
+    }
+    *t = Arc::new(gather_rows(t, parents)?);
+    Ok(())
 }
 
 /// Row `to` of `t` (axis 0) becomes the old row `from`, for each `(to, from)` of `moves`.

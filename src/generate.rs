@@ -205,11 +205,18 @@ impl Generation {
             );
         }
         if let Some(seeds) = &config.seed {
-            if seeds.len() != 1 && seeds.len() != prompts.len() {
+            // One seed for all rows, or one per row (sampling with `num_return_sequences = n`
+            // runs `n` rows per prompt).
+            let per_prompt = if config.do_sample && config.num_beams == 1 {
+                config.num_return_sequences
+            } else {
+                1
+            };
+            let rows = prompts.len() * per_prompt;
+            if seeds.len() != 1 && seeds.len() != rows {
                 return invalid!(
-                    "`seed` has {} values for {} prompts: give one seed, or one per prompt",
-                    seeds.len(),
-                    prompts.len()
+                    "`seed` must be one seed or one per row ({rows}), got {} seeds",
+                    seeds.len()
                 );
             }
         }

@@ -205,6 +205,13 @@ impl BeamRun {
             let logits = state.step(&tokens)?;
             row_scores = (0..logits.rows).map(|r| logits.row(r).to_vec()).collect();
         }
+        if row_scores.len() != group.active.len() * n {
+            return Err(Error::Backend(format!(
+                "a step returned {} rows of logits for {} beam rows",
+                row_scores.len(),
+                group.active.len() * n
+            )));
+        }
         let mut events = vec![];
         // Per active prompt: its parents (local beam indices) and next tokens, or `None` when
         // its search is over.

@@ -247,6 +247,7 @@ impl Seq2Seq {
             cache: vec![None; layers],
             cross: vec![None; layers],
             lengths: vec![0; rows_of.len()],
+            scratch: vec![],
         }))
     }
 
@@ -449,6 +450,8 @@ struct Seq2SeqState {
     cache: Vec<Option<(Arc<Tensor>, Arc<Tensor>)>>,
     cross: Vec<Option<(Arc<Tensor>, Arc<Tensor>)>>,
     lengths: Vec<usize>,
+    /// Rows in transit during an in-place reorder, kept between steps.
+    scratch: Vec<u8>,
 }
 
 impl DecoderState for Seq2SeqState {
@@ -558,8 +561,10 @@ impl DecoderState for Seq2SeqState {
             )));
         }
         let gather = |t: &Arc<Tensor>| gather_rows(t, parents).map(Arc::new);
+        // The self-attention cache: rows copied inside the buffers when the row count holds.
         for entry in self.cache.iter_mut().flatten() {
-            *entry = (gather(&entry.0)?, gather(&entry.1)?);
+            crate::cache::reorder_tensor(&mut entry.0, parents, &mut self.scratch)?;
+            crate::cache::reorder_tensor(&mut entry.1, parents, &mut self.scratch)?;
         }
         // The cross-attention cache and the encoder output are the same for all beams of a
         // prompt: they move only when a row takes a parent of another prompt, or rows are
@@ -583,6 +588,14 @@ impl DecoderState for Seq2SeqState {
 
     fn lengths(&self) -> &[usize] {
         &self.lengths
+    }
+
+    fn is_ready_for(&self, rows: usize) -> bool {
+        self.model
+            .plans
+            .lock()
+            .map(|p| p.contains_key(&(rows, 0)))
+            .unwrap_or(false)
     }
 
     fn rows_may_differ(&self) -> bool {
