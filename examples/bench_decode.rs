@@ -74,6 +74,7 @@ fn files(root: &Path, variant: &str) -> Res<ModelFiles> {
                 config: read(tjs.join("config.json"))?,
                 generation_config: Some(read(tjs.join("generation_config.json"))?),
                 tokenizer: read(tjs.join("tokenizer.json"))?,
+                ..Default::default()
             }
         }
         "fp32" => ModelFiles::from_dir(&tjs, None)?,
