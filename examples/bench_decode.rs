@@ -93,8 +93,7 @@ fn bench(root: &Path, variant: &str, long: bool) -> Res<()> {
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
         false,
     )?;
-    let decoder = model.decoder();
-    let mut state = decoder.start(1, 2048)?;
+    let mut state = model.start(1, 2048, None)?;
     let t = Instant::now();
     let logits = state.step(&[&prompt])?;
     let prefill = t.elapsed().as_secs_f64();
@@ -116,7 +115,7 @@ fn bench(root: &Path, variant: &str, long: bool) -> Res<()> {
     if long {
         // ms/token of single steps at 64 and 1024 cached positions (the cache filled by
         // prompt-sized chunks of a repeated text).
-        let mut state = decoder.start(1, 1100)?;
+        let mut state = model.start(1, 1100, None)?;
         let filler: Vec<u32> = prompt.iter().cycle().take(64).copied().collect();
         state.step(&[&filler])?;
         let at64 = time_steps(&mut *state, 8)?;
