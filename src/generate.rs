@@ -10,7 +10,7 @@ use crate::decoder::DecoderState;
 use crate::error::{invalid, Error, Result};
 use crate::model::{EncoderInput, Model};
 use crate::processors::stop_strings::StopStrings;
-use crate::processors::{Chain, LogitsProcessor, RowContext};
+use crate::processors::{Chain, ChainInputs, LogitsProcessor, RowContext};
 use crate::search;
 use crate::search::sampling::Sampler;
 use crate::tokenizer::TextStream;
@@ -234,7 +234,14 @@ impl Generation {
                 );
             }
         }
-        let chain = Chain::build(&config, vocab, custom)?;
+        let inputs = ChainInputs {
+            encoder_ids: match &encoder {
+                Some(EncoderInput::Ids(ids)) => Some(ids.clone()),
+                _ => None,
+            },
+            encoder_features: matches!(encoder, Some(EncoderInput::Features { .. })),
+        };
+        let chain = Chain::build_with(&config, vocab, &inputs, custom)?;
         if config.num_beams > 1 {
             let beams = Some(beams::BeamRun::new(
                 model,
@@ -270,7 +277,13 @@ impl Generation {
             false => None,
         };
         let stop_strings = match &config.stop_strings {
-            Some(s) => Some(StopStrings::new(s)?),
+            Some(s) => Some(
+                StopStrings::new(s)?.with_prefix(
+                    model
+                        .tokenizer
+                        .encode(crate::processors::stop_strings::STATIC_PREFIX, false)?,
+                ),
+            ),
             None => None,
         };
         let rows: Vec<Row> = prompts
@@ -447,7 +460,9 @@ impl Generation {
                 row.ids.push(token);
                 text = row.stream.push(&model.tokenizer, token)?;
                 let stop = match &self.stop_strings {
-                    Some(s) => s.matches(&row.ids, |ids| model.tokenizer.decode(ids))?,
+                    Some(s) => s.matches(&row.ids, |ids| {
+                        model.tokenizer.decode_with_special_tokens(ids)
+                    })?,
                     None => false,
                 };
                 if stop {

@@ -14,6 +14,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod audio;
 pub mod cache;
 pub mod config;
 pub mod decoder;
@@ -23,6 +24,7 @@ pub mod model;
 pub mod processors;
 pub mod search;
 pub mod tokenizer;
+pub mod whisper;
 
 pub use config::{EarlyStopping, GenerationConfig};
 pub use decoder::{Decoder, DecoderState, Logits};

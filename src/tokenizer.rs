@@ -43,6 +43,14 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(format!("could not decode tokens {ids:?}: {e}")))
     }
 
+    /// Decode keeping special tokens (`skip_special_tokens=False`): the text stop strings are
+    /// matched against, as transformers' `StopStringCriteria` sees special tokens' text too.
+    pub fn decode_with_special_tokens(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| Error::Tokenizer(format!("could not decode tokens {ids:?}: {e}")))
+    }
+
     /// Whether `id` is a byte-fallback token such as `<0xE6>`.
     pub fn is_byte_token(&self, id: u32) -> bool {
         self.inner.id_to_token(id).is_some_and(|t| {

@@ -38,6 +38,7 @@ fn chain_matches_transformers_on_random_scores() {
             encoder_ids: case["encoder_ids"]
                 .as_array()
                 .map(|_| vec![ids(&case["encoder_ids"])]),
+            encoder_features: false,
         };
         let mut chain = Chain::build_with(&config, vocab, &inputs, vec![]).unwrap();
         assert_eq!(

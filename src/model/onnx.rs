@@ -129,7 +129,12 @@ pub fn specialize_bool_input(proto: &mut pb::ModelProto, name: &str, value: bool
                 Error::Model(format!("`If` node `{}` has no {branch_name}", node.name))
             })?;
         graph.initializer.extend(branch.initializer);
-        nodes.extend(branch.node);
+        // Node names are scoped to their graph (and exporters repeat them): number them so
+        // they stay unique once inlined.
+        nodes.extend(branch.node.into_iter().enumerate().map(|(i, mut n)| {
+            n.name = format!("{}/{i}/{}", node.name, n.name);
+            n
+        }));
         for (inner, outer) in branch.output.iter().zip(&node.output) {
             if &inner.name != outer {
                 nodes.push(pb::NodeProto {

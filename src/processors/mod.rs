@@ -66,11 +66,15 @@ pub trait LogitsProcessor {
 /// What the chain builder needs beyond the configuration.
 #[derive(Debug, Clone, Default)]
 pub struct ChainInputs {
-    /// The encoder input ids of each row (encoder-decoder models), for
-    /// `encoder_repetition_penalty` and `encoder_no_repeat_ngram_size`. `None`: a decoder-only
-    /// model, where transformers gives those processors the prompt (`inputs_tensor`), which the
-    /// processors then read from `RowContext::prompt`.
+    /// The encoder input ids of each prompt (encoder-decoder models), for
+    /// `encoder_repetition_penalty` and `encoder_no_repeat_ngram_size`; row `r` reads those of
+    /// prompt `r / rows_per_prompt(config)`. `None`: a decoder-only model, where transformers
+    /// gives those processors the prompt (`inputs_tensor`), which the processors then read from
+    /// `RowContext::prompt`.
     pub encoder_ids: Option<Vec<Vec<u32>>>,
+    /// The encoder reads features, not token ids (Whisper): transformers then ignores the
+    /// encoder processors (with a warning), and so does the chain.
+    pub encoder_features: bool,
 }
 
 /// The processors of one request, in transformers' order.
@@ -109,10 +113,12 @@ impl Chain {
                 vocab,
             )?));
         }
-        if config.encoder_repetition_penalty != 1.0 {
+        let per_prompt = rows_per_prompt(config);
+        if config.encoder_repetition_penalty != 1.0 && !inputs.encoder_features {
             p.push(Box::new(penalties::EncoderRepetitionPenalty::new(
                 config.encoder_repetition_penalty,
                 inputs.encoder_ids.clone(),
+                per_prompt,
             )?));
         }
         if config.repetition_penalty != 1.0 {
@@ -125,10 +131,11 @@ impl Chain {
                 config.no_repeat_ngram_size,
             )?));
         }
-        if config.encoder_no_repeat_ngram_size > 0 {
+        if config.encoder_no_repeat_ngram_size > 0 && !inputs.encoder_features {
             p.push(Box::new(ngram::EncoderNoRepeatNGram::new(
                 config.encoder_no_repeat_ngram_size,
                 inputs.encoder_ids.clone(),
+                per_prompt,
             )?));
         }
         if let Some(bad) = &config.bad_words_ids {
@@ -234,6 +241,18 @@ impl Chain {
             p.process(ctx, scores)?;
         }
         Ok(())
+    }
+}
+
+/// Rows of a request per prompt: `RowContext::row` is `prompt * rows_per_prompt + i` (the beams
+/// of beam search, the samples of `num_return_sequences`).
+pub fn rows_per_prompt(config: &GenerationConfig) -> usize {
+    if config.num_beams > 1 {
+        config.num_beams
+    } else if config.do_sample {
+        config.num_return_sequences.max(1)
+    } else {
+        1
     }
 }
 

@@ -62,12 +62,14 @@ impl LogitsProcessor for NoRepeatNGram {
 pub struct EncoderNoRepeatNGram {
     n: usize,
     encoder_ids: Option<Vec<Vec<u32>>>,
+    per_prompt: usize,
     banned: Vec<u32>,
 }
 
 impl EncoderNoRepeatNGram {
-    /// `encoder_ids[r]`: the encoder input of row `r`.
-    pub fn new(n: usize, encoder_ids: Option<Vec<Vec<u32>>>) -> Result<Self> {
+    /// `encoder_ids[p]`: the encoder input of prompt `p`, read by rows
+    /// `p * per_prompt .. (p + 1) * per_prompt` (transformers: `hypo_idx // num_beams`).
+    pub fn new(n: usize, encoder_ids: Option<Vec<Vec<u32>>>, per_prompt: usize) -> Result<Self> {
         if n == 0 {
             return invalid!(
                 "`encoder_no_repeat_ngram_size` must be a strictly positive integer, got 0"
@@ -76,6 +78,7 @@ impl EncoderNoRepeatNGram {
         Ok(EncoderNoRepeatNGram {
             n,
             encoder_ids,
+            per_prompt: per_prompt.max(1),
             banned: vec![],
         })
     }
@@ -84,7 +87,7 @@ impl EncoderNoRepeatNGram {
 impl LogitsProcessor for EncoderNoRepeatNGram {
     fn process(&mut self, ctx: &RowContext, scores: &mut [f32]) -> Result<()> {
         let encoder = match &self.encoder_ids {
-            Some(all) => match all.get(ctx.row) {
+            Some(all) => match all.get(ctx.row / self.per_prompt) {
                 Some(ids) => ids.as_slice(),
                 None => return invalid!("no encoder input ids for row {}", ctx.row),
             },
@@ -144,16 +147,20 @@ mod tests {
 
     #[test]
     fn encoder_ngrams_come_from_the_encoder_input() {
-        let mut p = EncoderNoRepeatNGram::new(2, Some(vec![vec![5, 6, 5, 7]])).unwrap();
+        let mut p = EncoderNoRepeatNGram::new(2, Some(vec![vec![1], vec![5, 6, 5, 7]]), 3).unwrap();
         let mut s = vec![0.0; 8];
-        p.process(&ctx(&[0, 5]), &mut s).unwrap();
+        let c = RowContext {
+            row: 4,
+            ..ctx(&[0, 5])
+        };
+        p.process(&c, &mut s).unwrap();
         let banned: Vec<usize> = (0..8).filter(|&i| s[i] == f32::NEG_INFINITY).collect();
         assert_eq!(banned, vec![6, 7]);
         // Decoder-only: the prompt (here [3]) has no bigram.
-        let mut p = EncoderNoRepeatNGram::new(2, None).unwrap();
+        let mut p = EncoderNoRepeatNGram::new(2, None, 1).unwrap();
         let mut s = vec![0.0; 8];
         p.process(&ctx(&[3, 3]), &mut s).unwrap();
         assert!(s.iter().all(|&x| x == 0.0));
-        assert!(EncoderNoRepeatNGram::new(0, None).is_err());
+        assert!(EncoderNoRepeatNGram::new(0, None, 1).is_err());
     }
 }

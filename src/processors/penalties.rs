@@ -54,16 +54,23 @@ impl LogitsProcessor for RepetitionPenalty {
 
 /// transformers' `EncoderRepetitionPenaltyLogitsProcessor`: the tokens of the encoder input are
 /// favoured (the inverse penalty). Without encoder ids (a decoder-only model) it reads the
-/// prompt, as transformers passes `inputs_tensor`.
+/// prompt, as transformers passes `inputs_tensor`. (With several rows per prompt, transformers'
+/// gather only reaches the first rows; here every row reads its prompt's encoder input.)
 pub struct EncoderRepetitionPenalty {
     inverse: f32,
     encoder_ids: Option<Vec<Vec<u32>>>,
+    per_prompt: usize,
     buf: Vec<f32>,
 }
 
 impl EncoderRepetitionPenalty {
-    /// `encoder_ids[r]`: the encoder input of row `r`.
-    pub fn new(penalty: f32, encoder_ids: Option<Vec<Vec<u32>>>) -> Result<Self> {
+    /// `encoder_ids[p]`: the encoder input of prompt `p`, read by rows
+    /// `p * per_prompt .. (p + 1) * per_prompt`.
+    pub fn new(
+        penalty: f32,
+        encoder_ids: Option<Vec<Vec<u32>>>,
+        per_prompt: usize,
+    ) -> Result<Self> {
         if !(penalty > 0.0) {
             return invalid!(
                 "`encoder_repetition_penalty` must be a strictly positive number, got {penalty}"
@@ -72,6 +79,7 @@ impl EncoderRepetitionPenalty {
         Ok(EncoderRepetitionPenalty {
             inverse: 1.0 / penalty,
             encoder_ids,
+            per_prompt: per_prompt.max(1),
             buf: vec![],
         })
     }
@@ -80,7 +88,7 @@ impl EncoderRepetitionPenalty {
 impl LogitsProcessor for EncoderRepetitionPenalty {
     fn process(&mut self, ctx: &RowContext, scores: &mut [f32]) -> Result<()> {
         let ids = match &self.encoder_ids {
-            Some(all) => match all.get(ctx.row) {
+            Some(all) => match all.get(ctx.row / self.per_prompt) {
                 Some(ids) => ids.as_slice(),
                 None => return invalid!("no encoder input ids for row {}", ctx.row),
             },
@@ -147,21 +155,21 @@ mod tests {
 
     #[test]
     fn encoder_repetition_penalty_favours_encoder_tokens() {
-        let mut p = EncoderRepetitionPenalty::new(2.0, Some(vec![vec![5], vec![2]])).unwrap();
+        let mut p = EncoderRepetitionPenalty::new(2.0, Some(vec![vec![5], vec![2]]), 2).unwrap();
         let mut s = vec![4.0, 4.0, -4.0];
         let c = RowContext {
-            row: 1,
+            row: 3,
             ..ctx(&[0, 1], 1)
         };
         p.process(&c, &mut s).unwrap();
         assert_eq!(s, vec![4.0, 4.0, -2.0]);
         // Decoder-only: the prompt.
-        let mut p = EncoderRepetitionPenalty::new(2.0, None).unwrap();
+        let mut p = EncoderRepetitionPenalty::new(2.0, None, 1).unwrap();
         let mut s = vec![4.0, 4.0, -4.0];
         p.process(&ctx(&[0, 1], 1), &mut s).unwrap();
         assert_eq!(s, vec![8.0, 4.0, -4.0]);
         // A row without encoder ids is an error, not a panic.
-        let mut p = EncoderRepetitionPenalty::new(2.0, Some(vec![])).unwrap();
+        let mut p = EncoderRepetitionPenalty::new(2.0, Some(vec![]), 1).unwrap();
         assert!(p.process(&ctx(&[0], 1), &mut s).is_err());
     }
 

@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use crate::error::{invalid, Result};
 use crate::model::{EncoderInput, Model};
-use crate::processors::{Chain, RowContext};
+use crate::processors::{Chain, ChainInputs, RowContext};
 use crate::search::softmax_into;
 
 impl Model {
@@ -33,12 +33,16 @@ impl Model {
                 "token id {t} at position {i} of the input is outside the vocabulary (0..{vocab})"
             );
         }
-        let mut chain = Chain::build(&config, vocab, vec![])?;
         // An encoder-decoder reads the prompt with its encoder; its decoder sequence starts
         // with `decoder_start_token_id`.
         let encoder = self
             .is_encoder_decoder()
             .then(|| EncoderInput::Ids(vec![prompt.to_vec()]));
+        let inputs = ChainInputs {
+            encoder_ids: self.is_encoder_decoder().then(|| vec![prompt.to_vec()]),
+            encoder_features: false,
+        };
+        let mut chain = Chain::build_with(&config, vocab, &inputs, vec![])?;
         let (ids, prompt_len, budget) = match &encoder {
             Some(_) => {
                 let start = config
