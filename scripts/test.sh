@@ -8,23 +8,31 @@ cd "$root"
 
 step() { printf '\n== %s\n' "$*"; }
 
+# Build outputs live outside the clone so that the next run (CI clones afresh) starts warm.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/onnx-generate/target}"
+mkdir -p "$CARGO_TARGET_DIR"
+log="$CARGO_TARGET_DIR/native-tests.log"
+
 step "toolchain"
 command -v cargo >/dev/null || { echo "cargo is required (rustup)"; exit 1; }
 rustup target list --installed 2>/dev/null | grep -qx wasm32-unknown-unknown \
   || rustup target add wasm32-unknown-unknown
 
 step "native tests"
-cargo test --all-targets 2>&1 | tee target/native-tests.log
-# Every test binary must have run tests: a suite that silently ran nothing is a failure.
-if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' target/native-tests.log; then
+cargo test --all-targets 2>&1 | tee "$log"
+# A suite that silently ran nothing is a failure.
+if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' "$log"; then
   echo "no native test ran"; exit 1
 fi
 
 step "golden tool"
-for m in llama gpt2 gpt2-nopos gpt2-merged; do
-  cargo run -q --example golden -- --model "tests/fixtures/models/$m" --cases "tests/fixtures/golden/$m.json" \
-    | tail -n 1 | sed "s/^/$m: /"
-done
+golden() {  # golden NAME [golden-tool options]: every case of a fixture's golden file
+  local m=$1; shift
+  cargo run -q --example golden -- --model "tests/fixtures/models/$m" \
+    --cases "tests/fixtures/golden/$m.json" "$@" | tail -n 1 | sed "s/^/$m $*: /"
+}
+for m in llama llama-genai gpt2 gpt2-nopos gpt2-merged t5; do golden "$m"; done
+golden t5 --split
 
 step "core builds for wasm32"
 cargo build --lib --target wasm32-unknown-unknown
