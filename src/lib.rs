@@ -15,6 +15,7 @@
 //! ```
 
 pub mod cache;
+pub mod chat;
 pub mod config;
 pub mod decoder;
 pub mod error;
@@ -23,7 +24,10 @@ pub mod model;
 pub mod processors;
 pub mod search;
 pub mod tokenizer;
+#[cfg(target_arch = "wasm32")]
+pub mod wasm;
 
+pub use chat::ChatTemplate;
 pub use config::{EarlyStopping, GenerationConfig};
 pub use decoder::{Decoder, DecoderState, Logits};
 pub use error::{Error, Result};
