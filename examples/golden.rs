@@ -5,7 +5,8 @@
 //! ```
 //! Prints one line per failing or skipped case and ends with `N passed, M failed, K skipped`;
 //! exits non-zero on any failure. `--model` takes the flat layout of the fixtures or the
-//! transformers.js layout (ONNX files under `DIR/onnx/`).
+//! transformers.js layout (ONNX files under `DIR/onnx/`); `--split` runs an encoder-decoder with
+//! `decoder_model.onnx` + `decoder_with_past_model.onnx` instead of the merged decoder.
 
 #[path = "../tests/support/golden.rs"]
 mod golden;
@@ -13,6 +14,7 @@ mod golden;
 use std::path::PathBuf;
 
 use golden::Outcome;
+use onnx_generate::model::DecoderLayout;
 use onnx_generate::{Model, ModelFiles};
 
 fn main() {
@@ -20,6 +22,7 @@ fn main() {
     let mut cases_file = None;
     let mut variant = None;
     let mut only = None;
+    let mut layout = DecoderLayout::Auto;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -27,17 +30,21 @@ fn main() {
             "--cases" => cases_file = args.next().map(PathBuf::from),
             "--variant" => variant = args.next(),
             "--only" => only = args.next(),
+            "--split" => layout = DecoderLayout::Split,
             _ => {
-                eprintln!("usage: golden --model DIR --cases FILE.json [--variant V] [--only ID]");
+                eprintln!("usage: golden --model DIR --cases FILE.json [--variant V] [--only ID] [--split]");
                 std::process::exit(2);
             }
         }
     }
     let (Some(model_dir), Some(cases_file)) = (model_dir, cases_file) else {
-        eprintln!("usage: golden --model DIR --cases FILE.json [--variant V] [--only ID]");
+        eprintln!(
+            "usage: golden --model DIR --cases FILE.json [--variant V] [--only ID] [--split]"
+        );
         std::process::exit(2);
     };
-    let model = ModelFiles::from_dir(&model_dir, variant.as_deref()).and_then(|f| Model::load(&f));
+    let model = ModelFiles::from_dir_with(&model_dir, variant.as_deref(), layout)
+        .and_then(|f| Model::load(&f));
     let model = match model {
         Ok(m) => m,
         Err(e) => {

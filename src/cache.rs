@@ -29,6 +29,8 @@ pub struct KvCache {
     pub layers: Vec<(CacheTensor, CacheTensor)>,
     /// Valid positions of each row.
     pub lengths: Vec<usize>,
+    /// Rows in transit during an in-place `reorder`: allocated once, reused at every step.
+    scratch: Vec<u8>,
 }
 
 impl KvCache {
@@ -51,6 +53,7 @@ impl KvCache {
             head_dim,
             layers,
             lengths: vec![0; rows],
+            scratch: vec![],
         })
     }
 
@@ -108,7 +111,10 @@ impl KvCache {
         }
     }
 
-    /// Row `r` becomes the old row `parents[r]`.
+    /// Row `r` becomes the old row `parents[r]`. With the same number of rows (a beam step)
+    /// the rows are copied inside the existing buffers: only rows whose parent is another row
+    /// move, through a scratch buffer kept between steps. A changing number of rows (expanding
+    /// prompts to beams, dropping finished rows) gathers into new buffers.
     pub fn reorder(&mut self, parents: &[usize]) -> Result<()> {
         let rows = self.rows();
         if let Some(&bad) = parents.iter().find(|&&p| p >= rows) {
@@ -116,13 +122,54 @@ impl KvCache {
                 "reorder: parent row {bad} of {rows} rows"
             )));
         }
-        for (k, v) in self.layers.iter_mut() {
-            *k = Arc::new(gather_rows(k, parents)?);
-            *v = Arc::new(gather_rows(v, parents)?);
+        let lengths: Vec<usize> = parents.iter().map(|&p| self.lengths[p]).collect();
+        if parents.len() == rows {
+            let moves: Vec<(usize, usize)> = parents
+                .iter()
+                .enumerate()
+                .filter(|&(r, &p)| r != p)
+                .map(|(r, &p)| (r, p))
+                .collect();
+            if moves.is_empty() {
+                return Ok(());
+            }
+            for (k, v) in self.layers.iter_mut() {
+                for t in [k, v] {
+                    match Arc::get_mut(t) {
+                        Some(t) => move_rows(t, &moves, &mut self.scratch)?,
+                        // Still shared (never after a step completes): copy instead.
+                        None => *t = Arc::new(gather_rows(t, parents)?),
+                    }
+                }
+            }
+        } else {
+            for (k, v) in self.layers.iter_mut() {
+                *k = Arc::new(gather_rows(k, parents)?);
+                *v = Arc::new(gather_rows(v, parents)?);
+            }
         }
-        self.lengths = parents.iter().map(|&p| self.lengths[p]).collect();
+        self.lengths = lengths;
         Ok(())
     }
+}
+
+/// Row `to` of `t` (axis 0) becomes the old row `from`, for each `(to, from)` of `moves`.
+fn move_rows(t: &mut Tensor, moves: &[(usize, usize)], scratch: &mut Vec<u8>) -> Result<()> {
+    let rows = t.shape().first().copied().unwrap_or(0);
+    if rows == 0 {
+        return Ok(());
+    }
+    let bytes = t.len() * t.datum_type().size_of() / rows;
+    scratch.resize(moves.len() * bytes, 0);
+    let data = t.as_bytes_mut();
+    for (i, &(_, from)) in moves.iter().enumerate() {
+        scratch[i * bytes..(i + 1) * bytes]
+            .copy_from_slice(&data[from * bytes..(from + 1) * bytes]);
+    }
+    for (i, &(to, _)) in moves.iter().enumerate() {
+        data[to * bytes..(to + 1) * bytes].copy_from_slice(&scratch[i * bytes..(i + 1) * bytes]);
+    }
+    Ok(())
 }
 
 pub fn zeros(dtype: Dtype, shape: &[usize]) -> Result<Tensor> {
@@ -215,4 +262,61 @@ pub fn gather_rows(t: &Tensor, parents: &[usize]) -> Result<Tensor> {
         dst[r * bytes..(r + 1) * bytes].copy_from_slice(&src[p * bytes..(p + 1) * bytes]);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cache of `rows` rows whose every value is its row index.
+    fn labelled(rows: usize) -> KvCache {
+        let mut c = KvCache::new(2, rows, 2, 3, 4, Dtype::F32).unwrap();
+        for (k, v) in c.layers.iter_mut() {
+            for t in [k, v] {
+                let t = Arc::get_mut(t).unwrap();
+                let per = t.len() / rows;
+                for (i, x) in t.as_bytes_mut().chunks_mut(4).enumerate() {
+                    x.copy_from_slice(&((i / per) as f32).to_ne_bytes());
+                }
+            }
+        }
+        c.lengths = (0..rows).map(|r| r + 1).collect();
+        c
+    }
+
+    fn row_labels(c: &KvCache) -> Vec<f32> {
+        let t = &c.layers[1].1;
+        let per = t.len() / c.rows();
+        let b = t.as_bytes();
+        (0..c.rows())
+            .map(|r| {
+                let at = (r * per + per - 1) * 4;
+                f32::from_ne_bytes(b[at..at + 4].try_into().unwrap())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn reorder_with_the_same_rows_copies_inside_the_buffers() {
+        let mut c = labelled(4);
+        let before = c.layers[0].0.as_bytes().as_ptr();
+        // A swap, a copy and a row that stays.
+        c.reorder(&[1, 0, 0, 3]).unwrap();
+        assert_eq!(row_labels(&c), vec![1.0, 0.0, 0.0, 3.0]);
+        assert_eq!(c.lengths, vec![2, 1, 1, 4]);
+        assert_eq!(c.layers[0].0.as_bytes().as_ptr(), before);
+        c.reorder(&[3, 3, 2, 1]).unwrap();
+        assert_eq!(row_labels(&c), vec![3.0, 3.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn reorder_to_more_or_fewer_rows_gathers() {
+        let mut c = labelled(2);
+        c.reorder(&[0, 0, 0, 1, 1, 1]).unwrap();
+        assert_eq!(row_labels(&c), vec![0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
+        c.reorder(&[5, 0]).unwrap();
+        assert_eq!(row_labels(&c), vec![1.0, 0.0]);
+        assert_eq!(c.lengths, vec![2, 1]);
+        assert!(c.reorder(&[2]).is_err());
+    }
 }

@@ -390,6 +390,19 @@ impl GenerationConfig {
     }
 }
 
+impl GenerationConfig {
+    /// The largest number of new tokens of an encoder-decoder, as transformers' text2text and
+    /// speech pipelines decide it: `max_new_tokens` when set, else 256 when `max_length` is
+    /// transformers' default (20), else `max_length` minus the decoder prompt.
+    pub fn seq2seq_new_token_budget(&self, decoder_prompt_len: usize) -> usize {
+        match self.max_new_tokens {
+            Some(n) => n,
+            None if self.max_length == GenerationConfig::default().max_length => 256,
+            None => self.max_length.saturating_sub(decoder_prompt_len),
+        }
+    }
+}
+
 fn is_default_value(v: &Value) -> bool {
     match v {
         Value::Null => true,

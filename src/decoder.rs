@@ -40,6 +40,13 @@ pub trait DecoderState {
     fn reorder(&mut self, parents: &[usize]) -> Result<()>;
     /// Number of cached positions of each row.
     fn lengths(&self) -> &[usize];
+    /// Whether a step of `rows` rows runs without compiling anything new. tract compiles one
+    /// plan per batch size (seconds for a real model, against a fraction of a second per step),
+    /// so the loop drops finished rows from the batch only into sizes that are ready.
+    fn is_ready_for(&self, rows: usize) -> bool {
+        let _ = rows;
+        true
+    }
     /// Whether rows whose lengths differ may run in one step (false: `grow` mode, where rows of
     /// one step must have equal lengths and equal numbers of new tokens).
     fn rows_may_differ(&self) -> bool;

@@ -8,10 +8,14 @@ use serde_json::{Map, Value};
 use crate::config::GenerationConfig;
 use crate::decoder::DecoderState;
 use crate::error::{invalid, Error, Result};
-use crate::model::Model;
+use crate::model::{EncoderInput, Model};
+use crate::processors::stop_strings::StopStrings;
 use crate::processors::{Chain, LogitsProcessor, RowContext};
 use crate::search;
+use crate::search::sampling::Sampler;
 use crate::tokenizer::TextStream;
+
+mod beams;
 
 /// Why a row stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +26,8 @@ pub enum FinishReason {
     Length,
     /// The caller stopped the request.
     Abort,
+    /// A stop string (`stop_strings`) ended in its last token (which is kept).
+    StopString,
 }
 
 impl FinishReason {
@@ -30,6 +36,7 @@ impl FinishReason {
             FinishReason::Eos => "eos",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::StopString => "stop_string",
         }
     }
 }
@@ -37,7 +44,8 @@ impl FinishReason {
 /// One new token of one row, as it is produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
-    /// The row (prompt index) it belongs to.
+    /// The row it belongs to: the prompt index, or with `num_return_sequences = n` when
+    /// sampling, `prompt * n + sequence`.
     pub row: usize,
     pub token_id: u32,
     /// The new text: the deltas of a row concatenate to its final text. Empty for an eos token
@@ -45,8 +53,12 @@ pub struct TokenEvent {
     pub text: String,
     /// Set on the last event of the row.
     pub finished: Option<FinishReason>,
-    /// With `output_scores`: log-softmax of the processed scores at this token.
+    /// With `output_scores` (or `top_logprobs`): log-softmax of the processed scores at this
+    /// token.
     pub logprob: Option<f32>,
+    /// With `top_logprobs: N`: the N most likely tokens of the processed distribution and their
+    /// log-probabilities, most likely first.
+    pub top_logprobs: Option<Vec<(u32, f32)>>,
 }
 
 /// A finished sequence.
@@ -62,6 +74,8 @@ pub struct Sequence {
     pub logprobs: Option<Vec<f32>>,
     /// Beam search: the hypothesis score `sum(scores) / length ** length_penalty`.
     pub sequence_score: Option<f32>,
+    /// With `top_logprobs: N`: for each step, the N most likely tokens and their log-probs.
+    pub top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
 }
 
 /// The result of a request: `sequences[prompt][returned sequence]`.
@@ -83,6 +97,7 @@ struct Row {
     stream: TextStream,
     scores: Vec<f32>,
     logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
 }
 
 impl Row {
@@ -102,14 +117,25 @@ struct Group {
 /// A request in progress.
 pub struct Generation {
     config: GenerationConfig,
+    /// Encoder-decoder models: what the encoder reads (row `r` is prompt `r`).
+    encoder: Option<EncoderInput>,
     chain: Chain,
+    /// With `do_sample`: one seeded generator per row.
+    sampler: Option<Sampler>,
+    stop_strings: Option<StopStrings>,
+    /// Rows per prompt (`num_return_sequences` when sampling, else 1).
+    per_prompt: usize,
     rows: Vec<Row>,
     groups: Vec<Group>,
     steps: usize,
+    /// Beam search (`num_beams > 1`) runs its own path; `rows` and `groups` are then unused.
+    beams: Option<beams::BeamRun>,
 }
 
 impl Generation {
-    /// Prepare a request: validate prompts and options, build the processor chain.
+    /// Prepare a request: validate prompts and options, build the processor chain. For an
+    /// encoder-decoder the prompts are the encoder's input and each decoder sequence starts
+    /// with `decoder_start_token_id`.
     pub fn new(
         model: &Model,
         prompts: &[Vec<u32>],
@@ -118,21 +144,57 @@ impl Generation {
     ) -> Result<Generation> {
         let mut config = model.generation_config.clone();
         config.apply_options(options)?;
-        Self::with_config(model, prompts, config, custom)
+        if model.is_encoder_decoder() {
+            let start = config
+                .decoder_start_token_id
+                .or(model.decoder_start_token_id())
+                .ok_or_else(|| {
+                    Error::Model("the encoder-decoder has no `decoder_start_token_id`".into())
+                })?;
+            if let Some(r) = prompts.iter().position(|p| p.is_empty()) {
+                return invalid!("prompt {r} is empty: a prompt needs at least one token");
+            }
+            let vocab = model.vocab_size();
+            for (r, p) in prompts.iter().enumerate() {
+                if let Some((i, &t)) = p.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+                    return invalid!(
+                        "token id {t} at position {i} of prompt {r} is outside the vocabulary (0..{vocab})"
+                    );
+                }
+            }
+            let decoder_prompts = vec![vec![start]; prompts.len()];
+            let encoder = EncoderInput::Ids(prompts.to_vec());
+            return Self::with_config(model, Some(encoder), &decoder_prompts, config, custom);
+        }
+        Self::with_config(model, None, prompts, config, custom)
     }
 
+    /// Prepare a request with the decoder prompts given; `encoder` is the encoder's input of an
+    /// encoder-decoder (one row per prompt), `None` for a decoder-only model.
     pub fn with_config(
         model: &Model,
+        encoder: Option<EncoderInput>,
         prompts: &[Vec<u32>],
         config: GenerationConfig,
         custom: Vec<Box<dyn LogitsProcessor>>,
     ) -> Result<Generation> {
+        if let Some(e) = &encoder {
+            if e.rows() != prompts.len() {
+                return invalid!(
+                    "{} encoder inputs for {} decoder prompts",
+                    e.rows(),
+                    prompts.len()
+                );
+            }
+        }
         if prompts.is_empty() {
             return invalid!("no prompt was given");
         }
-        if config.num_beams > 1 {
+        if config.num_beams > 1 && config.do_sample {
             return Err(Error::Unsupported(
-                "beam search (num_beams > 1) is not implemented yet".into(),
+                "beam sampling (`do_sample` with `num_beams` > 1) is not supported: use \
+                 `num_beams` > 1 without sampling, or sampling with `num_beams` 1"
+                    .into(),
             ));
         }
         if config.num_return_sequences > config.num_beams && !config.do_sample {
@@ -142,11 +204,23 @@ impl Generation {
                 config.num_beams
             );
         }
+        if let Some(seeds) = &config.seed {
+            if seeds.len() != 1 && seeds.len() != prompts.len() {
+                return invalid!(
+                    "`seed` has {} values for {} prompts: give one seed, or one per prompt",
+                    seeds.len(),
+                    prompts.len()
+                );
+            }
+        }
+        if prompts.iter().all(|p| p.is_empty()) {
+            return invalid!(
+                "prompt 0 is empty: a prompt needs at least one token (an empty prompt is a \
+                 padding row, allowed only beside a non-empty prompt)"
+            );
+        }
         let vocab = model.vocab_size();
         for (r, p) in prompts.iter().enumerate() {
-            if p.is_empty() {
-                return invalid!("prompt {r} is empty: a prompt needs at least one token");
-            }
             if let Some((i, &t)) = p.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
                 return invalid!(
                     "token id {t} at position {i} of prompt {r} is outside the vocabulary (0..{vocab})"
@@ -154,6 +228,44 @@ impl Generation {
             }
         }
         let chain = Chain::build(&config, vocab, custom)?;
+        if config.num_beams > 1 {
+            let beams = Some(beams::BeamRun::new(
+                model,
+                encoder.clone(),
+                prompts,
+                &config,
+            )?);
+            return Ok(Generation {
+                config,
+                encoder,
+                chain,
+                sampler: None,
+                stop_strings: None,
+                per_prompt: 1,
+                rows: vec![],
+                groups: vec![],
+                steps: 0,
+                beams,
+            });
+        }
+        // Sampling with `num_return_sequences`: each prompt is repeated, as transformers'
+        // `_expand_inputs_for_generation` does (row `p * n + i` is sequence `i` of prompt `p`).
+        let per_prompt = match config.do_sample && config.num_beams == 1 {
+            true => config.num_return_sequences,
+            false => 1,
+        };
+        let prompts: Vec<Vec<u32>> = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.clone(), per_prompt))
+            .collect();
+        let sampler = match config.do_sample {
+            true => Some(Sampler::new(config.seed.as_deref(), prompts.len())?),
+            false => None,
+        };
+        let stop_strings = match &config.stop_strings {
+            Some(s) => Some(StopStrings::new(s)?),
+            None => None,
+        };
         let rows: Vec<Row> = prompts
             .iter()
             .map(|p| Row {
@@ -162,20 +274,32 @@ impl Generation {
                 fed: 0,
                 // transformers stops on `cur_len >= max_length` after each new token, so a row
                 // whose prompt already reaches `max_length` still gets one token.
-                budget: config.new_token_budget(p.len()).max(1),
-                finish: None,
+                budget: if encoder.is_some() {
+                    config.seq2seq_new_token_budget(p.len())
+                } else {
+                    config.new_token_budget(p.len())
+                }
+                .max(1),
+                // An empty prompt is a padding row: it yields no token.
+                finish: p.is_empty().then_some(FinishReason::Length),
                 stream: TextStream::new(),
                 scores: vec![],
                 logprobs: vec![],
+                top_logprobs: vec![],
             })
             .collect();
         let groups = group_rows(model, &rows);
         Ok(Generation {
             config,
+            encoder,
             chain,
+            sampler,
+            stop_strings,
+            per_prompt,
             rows,
             groups,
             steps: 0,
+            beams: None,
         })
     }
 
@@ -186,6 +310,9 @@ impl Generation {
 
     /// Whether every row has stopped.
     pub fn is_finished(&self) -> bool {
+        if let Some(b) = &self.beams {
+            return b.is_finished();
+        }
         self.rows.iter().all(|r| r.finish.is_some())
     }
 
@@ -196,6 +323,13 @@ impl Generation {
 
     /// Run one decoder step and return the tokens it produced.
     pub fn step(&mut self, model: &Model) -> Result<Vec<TokenEvent>> {
+        if let Some(b) = &mut self.beams {
+            if b.is_finished() {
+                return Ok(vec![]);
+            }
+            self.steps += 1;
+            return b.step(model, &self.config, &mut self.chain);
+        }
         let Some(g) = self
             .groups
             .iter()
@@ -210,8 +344,14 @@ impl Generation {
                 .map(|&r| self.rows[r].prompt_len + self.rows[r].budget)
                 .max()
                 .unwrap_or(1);
-            let rows = self.groups[g].rows.len();
-            self.groups[g].state = Some(model.decoder().start(rows, capacity)?);
+            // The encoder row of each row: its prompt.
+            let rows_of: Vec<usize> = self.groups[g]
+                .rows
+                .iter()
+                .map(|r| r / self.per_prompt.max(1))
+                .collect();
+            let encoder = self.encoder.as_ref().map(|e| (e, rows_of.as_slice()));
+            self.groups[g].state = Some(model.start(rows_of.len(), capacity, encoder)?);
         }
         let group = &mut self.groups[g];
         let state = group
@@ -238,13 +378,20 @@ impl Generation {
         } else {
             1usize << (usize::BITS - 1 - most.leading_zeros())
         };
+        let may_differ = state.rows_may_differ();
         let tokens: Vec<&[u32]> = group
             .active
             .iter()
             .zip(&pending)
             .map(|(&r, &p)| {
                 let row = &self.rows[r];
-                &row.ids[row.fed..row.fed + p.min(chunk)]
+                if row.finish.is_some() && !may_differ && chunk > 0 {
+                    // `grow` mode: a finished row still in the batch takes a throwaway token,
+                    // so that the rows keep equal lengths.
+                    &row.ids[row.ids.len() - 1..]
+                } else {
+                    &row.ids[row.fed..row.fed + p.min(chunk)]
+                }
             })
             .collect();
         let logits = state.step(&tokens)?;
@@ -266,11 +413,24 @@ impl Generation {
                 max_length: row.prompt_len + row.budget,
             };
             self.chain.apply(&ctx, &mut scores)?;
-            let token = search::argmax(&scores);
-            if self.config.output_scores {
+            let token = match self.sampler.as_mut() {
+                Some(sampler) => sampler.sample(r, &scores)?,
+                None => search::argmax(&scores),
+            };
+            // Scores and log-probs only when asked for.
+            let want_logprobs = self.config.output_scores || self.config.top_logprobs > 0;
+            let mut logprob = None;
+            let mut top = None;
+            if want_logprobs {
+                let lp = search::log_softmax_at(&scores, token as usize);
                 row.scores.push(scores[token as usize]);
-                row.logprobs
-                    .push(search::log_softmax_at(&scores, token as usize));
+                row.logprobs.push(lp);
+                logprob = Some(lp);
+            }
+            if self.config.top_logprobs > 0 {
+                let t = search::top_logprobs(&scores, self.config.top_logprobs);
+                row.top_logprobs.push(t.clone());
+                top = Some(t);
             }
             let is_eos = self.config.eos_ids().contains(&token);
             let mut text = String::new();
@@ -279,7 +439,13 @@ impl Generation {
             } else {
                 row.ids.push(token);
                 text = row.stream.push(&model.tokenizer, token)?;
-                if row.new_tokens().len() >= row.budget {
+                let stop = match &self.stop_strings {
+                    Some(s) => s.matches(&row.ids, |ids| model.tokenizer.decode(ids))?,
+                    None => false,
+                };
+                if stop {
+                    row.finish = Some(FinishReason::StopString);
+                } else if row.new_tokens().len() >= row.budget {
                     row.finish = Some(FinishReason::Length);
                 }
             }
@@ -291,19 +457,18 @@ impl Generation {
                 token_id: token,
                 text,
                 finished: row.finish,
-                logprob: row
-                    .logprobs
-                    .last()
-                    .copied()
-                    .filter(|_| self.config.output_scores),
+                logprob,
+                top_logprobs: top,
             });
         }
 
-        // Rows that stopped leave the batch, so they cost no more work.
+        // Rows that stopped leave the batch, so they cost no more work, when the backend can
+        // run the smaller batch without compiling a plan for it (which costs more than it
+        // saves: see `examples/bench_batch.rs`); otherwise they sit the next steps out.
         let keep: Vec<usize> = (0..group.active.len())
             .filter(|&i| self.rows[group.active[i]].finish.is_none())
             .collect();
-        if !keep.is_empty() && keep.len() < group.active.len() {
+        if !keep.is_empty() && keep.len() < group.active.len() && state.is_ready_for(keep.len()) {
             state.reorder(&keep)?;
             group.active = keep.iter().map(|&i| group.active[i]).collect();
         } else if keep.is_empty() {
@@ -315,6 +480,9 @@ impl Generation {
 
     /// Stop every unfinished row (the caller aborted); the cache is released.
     pub fn abort(&mut self) {
+        if let Some(b) = &mut self.beams {
+            b.abort();
+        }
         for row in self.rows.iter_mut().filter(|r| r.finish.is_none()) {
             row.finish = Some(FinishReason::Abort);
         }
@@ -326,47 +494,63 @@ impl Generation {
 
     /// The result, once finished (or aborted).
     pub fn output(&self, model: &Model) -> Result<Output> {
+        if let Some(b) = &self.beams {
+            return Ok(Output {
+                sequences: b.output(model, &self.config)?,
+            });
+        }
         let sequences = self
             .rows
-            .iter()
-            .map(|row| {
-                let ids = row.new_tokens().to_vec();
-                Ok(vec![Sequence {
-                    text: model.tokenizer.decode(&ids)?,
-                    token_ids: ids,
-                    finish_reason: row.finish.unwrap_or(FinishReason::Abort),
-                    scores: self.config.output_scores.then(|| row.scores.clone()),
-                    logprobs: self.config.output_scores.then(|| row.logprobs.clone()),
-                    sequence_score: None,
-                }])
-            })
+            .chunks(self.per_prompt.max(1))
+            .map(|rows| rows.iter().map(|row| self.sequence(model, row)).collect())
             .collect::<Result<_>>()?;
         Ok(Output { sequences })
+    }
+
+    fn sequence(&self, model: &Model, row: &Row) -> Result<Sequence> {
+        let ids = row.new_tokens().to_vec();
+        Ok(Sequence {
+            text: model.tokenizer.decode(&ids)?,
+            token_ids: ids,
+            finish_reason: row.finish.unwrap_or(FinishReason::Abort),
+            scores: self.config.output_scores.then(|| row.scores.clone()),
+            logprobs: self.config.output_scores.then(|| row.logprobs.clone()),
+            sequence_score: None,
+            top_logprobs: (self.config.top_logprobs > 0).then(|| row.top_logprobs.clone()),
+        })
     }
 }
 
 /// One group of all rows, or in `grow` mode one group per prompt length.
 fn group_rows(model: &Model, rows: &[Row]) -> Vec<Group> {
-    let make = |rows: Vec<usize>| Group {
-        active: rows.clone(),
-        rows,
-        state: None,
+    let lengths: Vec<usize> = rows.iter().map(|r| r.prompt_len).collect();
+    group_by_length(model, &lengths)
+        .into_iter()
+        .map(|rows| Group {
+            active: rows.clone(),
+            rows,
+            state: None,
+        })
+        .collect()
+}
+
+/// The rows that share a decoder state: all non-empty prompts, or in `grow` mode (where the
+/// rows of a step must have equal lengths) the prompts of each length, shortest first. Empty
+/// prompts are padding rows and run in no group.
+fn group_by_length(model: &Model, lengths: &[usize]) -> Vec<Vec<usize>> {
+    let real = |len: usize| {
+        (0..lengths.len()).filter(move |&r| lengths[r] > 0 && (len == 0 || lengths[r] == len))
     };
     if model.signature.cache_mode != crate::model::signature::CacheMode::Grow {
-        return vec![make((0..rows.len()).collect())];
+        let all: Vec<usize> = real(0).collect();
+        return if all.is_empty() { vec![] } else { vec![all] };
     }
-    let mut lengths: Vec<usize> = rows.iter().map(|r| r.prompt_len).collect();
-    lengths.sort_unstable();
-    lengths.dedup();
-    lengths
+    let mut distinct: Vec<usize> = lengths.iter().copied().filter(|&l| l > 0).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    distinct
         .into_iter()
-        .map(|len| {
-            make(
-                (0..rows.len())
-                    .filter(|&r| rows[r].prompt_len == len)
-                    .collect(),
-            )
-        })
+        .map(|len| real(len).collect())
         .collect()
 }
 

@@ -1,10 +1,12 @@
 //! Golden parity: every greedy case of the decoder-only fixtures, token ids exact and scores
-//! within 1e-4, across the three cache modes and the merged decoder.
+//! within 1e-4, across the three cache modes, the merged decoder and an encoder-decoder (T5)
+//! with its merged and its split decoders.
 
 mod support;
 
 use std::path::PathBuf;
 
+use onnx_generate::model::DecoderLayout;
 use onnx_generate::{Model, ModelFiles};
 use support::golden::{self, Outcome};
 
@@ -14,8 +16,12 @@ fn fixtures() -> PathBuf {
 
 /// Run the cases of `name` selected by `select`; every one must pass (none skipped).
 fn run(name: &str, select: impl Fn(&serde_json::Value) -> bool) {
+    run_with(name, DecoderLayout::Auto, select)
+}
+
+fn run_with(name: &str, layout: DecoderLayout, select: impl Fn(&serde_json::Value) -> bool) {
     let dir = fixtures().join("models").join(name);
-    let model = Model::load(&ModelFiles::from_dir(&dir, None).unwrap()).unwrap();
+    let model = Model::load(&ModelFiles::from_dir_with(&dir, None, layout).unwrap()).unwrap();
     let golden = golden::load(&fixtures().join("golden").join(format!("{name}.json")));
     let mut ran = 0;
     let mut failures = vec![];
@@ -58,4 +64,14 @@ fn gpt2_nopos_grow_greedy() {
 #[test]
 fn gpt2_merged_greedy() {
     run("gpt2-merged", plain_greedy);
+}
+
+#[test]
+fn t5_merged_decoder_greedy() {
+    run("t5", plain_greedy);
+}
+
+#[test]
+fn t5_split_decoders_greedy() {
+    run_with("t5", DecoderLayout::Split, plain_greedy);
 }

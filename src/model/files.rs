@@ -19,10 +19,39 @@ pub struct ModelFiles {
     pub config: Vec<u8>,
     pub generation_config: Option<Vec<u8>>,
     pub tokenizer: Vec<u8>,
+    /// Encoder-decoder models: `encoder_model.onnx` (and its external data). `model` is then
+    /// the decoder: `decoder_model_merged.onnx`, or `decoder_with_past_model.onnx` of the
+    /// split pair whose first-step graph `decoder_model.onnx` is `first_decoder`.
+    pub encoder: Option<Vec<u8>>,
+    pub encoder_external_data: Option<Vec<u8>>,
+    pub first_decoder: Option<Vec<u8>>,
+    pub first_decoder_external_data: Option<Vec<u8>>,
+    /// `preprocessor_config.json` (Whisper's feature extractor settings).
+    pub preprocessor_config: Option<Vec<u8>>,
+}
+
+/// How an encoder-decoder's decoder is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecoderLayout {
+    /// `decoder_model_merged.onnx` when present, else the split pair.
+    Auto,
+    /// `decoder_model.onnx` + `decoder_with_past_model.onnx`.
+    Split,
 }
 
 /// The ONNX file names to try, in order, for a variant (`None`: the full-precision model).
 pub fn onnx_candidates(variant: Option<&str>) -> Vec<String> {
+    decoder_only_candidates(variant)
+}
+
+fn with_variant(stem: &str, variant: Option<&str>) -> String {
+    match variant {
+        None | Some("") | Some("fp32") => format!("{stem}.onnx"),
+        Some(v) => format!("{stem}_{v}.onnx"),
+    }
+}
+
+fn decoder_only_candidates(variant: Option<&str>) -> Vec<String> {
     match variant {
         None | Some("") | Some("fp32") => {
             vec!["model.onnx".into(), "decoder_model_merged.onnx".into()]
@@ -41,10 +70,21 @@ pub fn external_data_names(onnx_name: &str) -> [String; 2] {
 
 #[cfg(not(target_arch = "wasm32"))]
 impl ModelFiles {
-    /// Read a model folder in the flat or the transformers.js layout.
+    /// Read a model folder in the flat or the transformers.js layout (for an encoder-decoder,
+    /// the merged decoder when there is one).
     pub fn from_dir(dir: &std::path::Path, variant: Option<&str>) -> Result<ModelFiles> {
+        Self::from_dir_with(dir, variant, DecoderLayout::Auto)
+    }
+
+    /// Read a model folder; for an encoder-decoder, `layout` picks the decoder files.
+    pub fn from_dir_with(
+        dir: &std::path::Path,
+        variant: Option<&str>,
+        layout: DecoderLayout,
+    ) -> Result<ModelFiles> {
         use std::fs;
-        let read = |p: &std::path::Path| {
+        use std::path::{Path, PathBuf};
+        let read = |p: &Path| {
             fs::read(p).map_err(|e| Error::Model(format!("cannot read {}: {e}", p.display())))
         };
         if !dir.is_dir() {
@@ -53,29 +93,61 @@ impl ModelFiles {
                 dir.display()
             )));
         }
-        let candidates = onnx_candidates(variant);
-        let onnx_path = [dir.join("onnx"), dir.to_path_buf()]
-            .iter()
-            .flat_map(|d| candidates.iter().map(move |c| d.join(c)))
-            .find(|p| p.is_file())
-            .ok_or_else(|| {
-                Error::Model(format!(
-                    "no ONNX model in {} (looked for {} in it and in its onnx/ folder)",
-                    dir.display(),
-                    candidates.join(", ")
-                ))
-            })?;
-        let model_name = onnx_path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let onnx_dir = onnx_path.parent().unwrap_or(dir);
-        let external_data = external_data_names(&model_name)
-            .iter()
-            .map(|n| onnx_dir.join(n))
-            .find(|p| p.is_file())
-            .map(|p| read(&p))
-            .transpose()?;
+        let find = |name: &str| -> Option<PathBuf> {
+            [dir.join("onnx"), dir.to_path_buf()]
+                .into_iter()
+                .map(|d| d.join(name))
+                .find(|p| p.is_file())
+        };
+        // An ONNX file, its name and its external data (`NAME.data` or `NAME_data`).
+        let onnx = |p: &Path| -> Result<(String, Vec<u8>, Option<Vec<u8>>)> {
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let parent = p.parent().unwrap_or(dir);
+            let data = external_data_names(&name)
+                .iter()
+                .map(|n| parent.join(n))
+                .find(|d| d.is_file())
+                .map(|d| read(&d))
+                .transpose()?;
+            Ok((name, read(p)?, data))
+        };
+        let mut files = ModelFiles::default();
+        let mut candidates = decoder_only_candidates(variant);
+        if let Some(encoder) = find(&with_variant("encoder_model", variant)) {
+            let (_, bytes, data) = onnx(&encoder)?;
+            files.encoder = Some(bytes);
+            files.encoder_external_data = data;
+            let merged = with_variant("decoder_model_merged", variant);
+            let with_past = with_variant("decoder_with_past_model", variant);
+            let first = with_variant("decoder_model", variant);
+            if layout == DecoderLayout::Auto && find(&merged).is_some() {
+                candidates = vec![merged];
+            } else {
+                let first_path = find(&first).ok_or_else(|| {
+                    Error::Model(format!(
+                        "{} has an encoder but neither {merged} nor {first} + {with_past}",
+                        dir.display()
+                    ))
+                })?;
+                let (_, bytes, data) = onnx(&first_path)?;
+                files.first_decoder = Some(bytes);
+                files.first_decoder_external_data = data;
+                candidates = vec![with_past];
+            }
+            let pre = dir.join("preprocessor_config.json");
+            files.preprocessor_config = pre.is_file().then(|| read(&pre)).transpose()?;
+        }
+        let onnx_path = candidates.iter().find_map(|c| find(c)).ok_or_else(|| {
+            Error::Model(format!(
+                "no ONNX model in {} (looked for {} in it and in its onnx/ folder)",
+                dir.display(),
+                candidates.join(", ")
+            ))
+        })?;
+        let (model_name, model, external_data) = onnx(&onnx_path)?;
         let required = |name: &str| {
             let p = dir.join(name);
             if p.is_file() {
@@ -89,8 +161,8 @@ impl ModelFiles {
         };
         let generation_config = dir.join("generation_config.json");
         Ok(ModelFiles {
-            model: read(&onnx_path)?,
             model_name,
+            model,
             external_data,
             config: required("config.json")?,
             generation_config: generation_config
@@ -98,6 +170,7 @@ impl ModelFiles {
                 .then(|| read(&generation_config))
                 .transpose()?,
             tokenizer: required("tokenizer.json")?,
+            ..files
         })
     }
 }

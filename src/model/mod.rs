@@ -3,18 +3,30 @@
 
 pub mod files;
 pub mod onnx;
+pub mod seq2seq;
 pub mod signature;
 pub mod tract_decoder;
 
 use std::sync::Arc;
 
 use crate::config::GenerationConfig;
-use crate::decoder::Decoder;
+use crate::decoder::{Decoder, DecoderState};
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
-pub use files::ModelFiles;
+pub use files::{DecoderLayout, ModelFiles};
+pub use seq2seq::EncoderInput;
+use seq2seq::{Seq2Seq, Seq2SeqGraphs};
 use signature::Signature;
 use tract_decoder::TractDecoder;
+
+/// The compiled graphs of a model.
+#[derive(Debug)]
+enum Engine {
+    /// A decoder-only model.
+    Decoder(TractDecoder),
+    /// An encoder and its decoder.
+    Seq2Seq(Arc<Seq2Seq>),
+}
 
 /// A loaded decoder-only model. Immutable once loaded: a request keeps its own state, so a
 /// failed or aborted request leaves the model usable.
@@ -27,7 +39,9 @@ pub struct Model {
     /// transformers' `GenerationConfig.from_model_config` does).
     pub generation_config: GenerationConfig,
     pub tokenizer: Tokenizer,
-    decoder: TractDecoder,
+    /// `preprocessor_config.json`, when the model has one (Whisper).
+    pub preprocessor_config: Option<serde_json::Value>,
+    engine: Engine,
 }
 
 impl Model {
@@ -57,29 +71,110 @@ impl Model {
                 tokenizer.vocab_size()
             )));
         }
-        let decoder = TractDecoder::new(&proto, signature.clone(), vocab)?;
+        let preprocessor_config = files
+            .preprocessor_config
+            .as_ref()
+            .map(|b| serde_json::from_slice(b))
+            .transpose()
+            .map_err(|e| {
+                Error::Model(format!("preprocessor_config.json is not valid JSON: {e}"))
+            })?;
+        let engine = match &files.encoder {
+            Some(encoder) => {
+                let encoder = onnx::decode(
+                    encoder,
+                    files.encoder_external_data.as_deref(),
+                    "encoder_model.onnx",
+                )?;
+                let first = files
+                    .first_decoder
+                    .as_ref()
+                    .map(|b| {
+                        let data = files.first_decoder_external_data.as_deref();
+                        onnx::decode(b, data, "decoder_model.onnx")
+                    })
+                    .transpose()?;
+                let graphs = Seq2SeqGraphs {
+                    encoder: &encoder,
+                    decoder: &proto,
+                    first_decoder: first.as_ref(),
+                };
+                Engine::Seq2Seq(Arc::new(Seq2Seq::new(graphs, signature.clone(), vocab)?))
+            }
+            None => Engine::Decoder(TractDecoder::new(&proto, signature.clone(), vocab)?),
+        };
         Ok(Model {
             signature,
             config,
             generation_config,
             tokenizer,
-            decoder,
+            preprocessor_config,
+            engine,
         })
     }
 
-    pub fn decoder(&self) -> &dyn Decoder {
-        &self.decoder
+    /// Whether this is an encoder-decoder model (T5, BART, Marian, Whisper).
+    pub fn is_encoder_decoder(&self) -> bool {
+        matches!(self.engine, Engine::Seq2Seq(_))
+    }
+
+    /// Whether the encoder takes audio features (Whisper) rather than token ids.
+    pub fn encoder_takes_features(&self) -> bool {
+        matches!(&self.engine, Engine::Seq2Seq(s) if s.takes_features())
+    }
+
+    /// A fresh decoder state for `rows` rows, sized for `capacity` positions. An
+    /// encoder-decoder runs its encoder on `encoder` here; row `r` of the state uses encoder
+    /// row `rows_of[r]`.
+    pub fn start(
+        &self,
+        rows: usize,
+        capacity: usize,
+        encoder: Option<(&EncoderInput, &[usize])>,
+    ) -> Result<Box<dyn DecoderState>> {
+        match (&self.engine, encoder) {
+            (Engine::Decoder(d), None) => d.start(rows, capacity),
+            (Engine::Seq2Seq(s), Some((input, rows_of))) => {
+                if rows_of.len() != rows {
+                    return Err(Error::InvalidInput(format!(
+                        "{rows} rows but {} encoder rows",
+                        rows_of.len()
+                    )));
+                }
+                s.start(input, rows_of)
+            }
+            (Engine::Decoder(_), Some(_)) => Err(Error::InvalidInput(
+                "this model is decoder-only: it takes no encoder input".into(),
+            )),
+            (Engine::Seq2Seq(_), None) => Err(Error::InvalidInput(
+                "this model is an encoder-decoder: it needs an encoder input".into(),
+            )),
+        }
+    }
+
+    /// The `decoder_start_token_id` of an encoder-decoder (generation config, else config.json).
+    pub fn decoder_start_token_id(&self) -> Option<u32> {
+        self.generation_config.decoder_start_token_id.or_else(|| {
+            let v = self.config.get("decoder_start_token_id")?;
+            v.as_u64().map(|v| v as u32)
+        })
     }
 
     /// Number of compiled plans: they are symbolic in batch, sequence and past lengths, so this
     /// does not grow with the requests.
     pub fn plans(&self) -> usize {
-        self.decoder.plans()
+        match &self.engine {
+            Engine::Decoder(d) => d.plans(),
+            Engine::Seq2Seq(s) => s.plans(),
+        }
     }
 
     /// Width of the logits.
     pub fn vocab_size(&self) -> usize {
-        self.decoder.vocab_size()
+        match &self.engine {
+            Engine::Decoder(d) => d.vocab_size(),
+            Engine::Seq2Seq(s) => s.vocab_size(),
+        }
     }
 
     /// Largest number of positions the model was trained for (`max_position_embeddings`).

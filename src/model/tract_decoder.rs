@@ -76,17 +76,17 @@ impl TractDecoder {
         let (template, first_template) = if sig.has_use_cache_branch {
             let mut with_cache = proto.clone();
             specialize_bool_input(&mut with_cache, "use_cache_branch", true)?;
-            let template = parse(&with_cache, &sig)?;
+            let template = parse_graph(&with_cache, &sig)?;
             let first = if sig.cache_mode == CacheMode::Grow {
                 let mut no_cache = proto.clone();
                 specialize_bool_input(&mut no_cache, "use_cache_branch", false)?;
-                Some(parse(&no_cache, &sig)?)
+                Some(parse_graph(&no_cache, &sig)?)
             } else {
                 None
             };
             (template, first)
         } else {
-            (parse(proto, &sig)?, None)
+            (parse_graph(proto, &sig)?, None)
         };
         let decoder = TractDecoder(Arc::new(Inner {
             sig,
@@ -128,7 +128,7 @@ impl Inner {
 }
 
 /// Read the graph into tract and declare its inputs (symbolic sequence and past lengths).
-fn parse(proto: &pb::ModelProto, sig: &Signature) -> Result<InferenceModel> {
+pub(crate) fn parse_graph(proto: &pb::ModelProto, sig: &Signature) -> Result<InferenceModel> {
     let onnx = tract_onnx::onnx()
         .with_ignore_output_shapes(true)
         .with_ignore_value_info(true);
@@ -321,6 +321,14 @@ impl DecoderState for TractState {
         &self.cache.lengths
     }
 
+    fn is_ready_for(&self, rows: usize) -> bool {
+        self.decoder
+            .plans
+            .lock()
+            .map(|p| p.contains_key(&(rows, false)))
+            .unwrap_or(false)
+    }
+
     fn rows_may_differ(&self) -> bool {
         self.decoder.sig.cache_mode != CacheMode::Grow
     }
@@ -427,7 +435,7 @@ impl TractState {
     }
 }
 
-fn int_tensor(values: &[i64], shape: &[usize], dt: DatumType) -> Result<Tensor> {
+pub(crate) fn int_tensor(values: &[i64], shape: &[usize], dt: DatumType) -> Result<Tensor> {
     let t = Tensor::from_shape(shape, values).map_err(backend)?;
     if dt == i64::datum_type() {
         Ok(t)
@@ -437,7 +445,7 @@ fn int_tensor(values: &[i64], shape: &[usize], dt: DatumType) -> Result<Tensor> 
 }
 
 /// The logits of position `counts[r] - 1` of each row of `[rows, seq, vocab]`.
-fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Result<Logits> {
+pub(crate) fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Result<Logits> {
     let shape = logits.shape();
     let (rows, seq, width) = match shape {
         &[r, s, v] => (r, s, v),

@@ -1,8 +1,27 @@
 //! Logits processors: one trait, one chain built once per request in the order of
-//! transformers 4.57's `_get_logits_processor`.
+//! transformers 4.57's `GenerationMixin._get_logits_processor`:
+//!
+//! sequence_bias, encoder_repetition_penalty, repetition_penalty, no_repeat_ngram_size,
+//! encoder_no_repeat_ngram_size, bad_words_ids, min_length, min_new_tokens, forced_bos_token_id,
+//! forced_eos_token_id, exponential_decay_length_penalty, suppress_tokens, begin_suppress_tokens,
+//! custom processors; then, only with `do_sample`: temperature, top_k, top_p, min_p, typical_p,
+//! epsilon_cutoff, eta_cutoff; `renormalize_logits` last.
+//!
+//! Each processor changes one row's scores in place and sees what transformers' processors see
+//! (`RowContext`): the prompt and the new tokens (for an encoder-decoder, the decoder sequence
+//! starting with `decoder_start_token_id`), and the row's `max_length`.
+
+pub mod bad_words;
+pub mod forced;
+pub mod lengths;
+pub mod ngram;
+pub mod penalties;
+pub mod stop_strings;
+pub mod suppress;
+pub mod warpers;
 
 use crate::config::GenerationConfig;
-use crate::error::{Error, Result};
+use crate::error::{invalid, Result};
 
 /// What a processor may look at for one row.
 #[derive(Debug, Clone, Copy)]
@@ -12,7 +31,7 @@ pub struct RowContext<'a> {
     /// The sequence the processors see: the prompt and the new tokens (for an encoder-decoder,
     /// the decoder sequence starting with `decoder_start_token_id`).
     pub ids: &'a [u32],
-    /// Length of the prompt part of `ids`.
+    /// Length of the prompt part of `ids` (transformers' `input_ids_seq_length`).
     pub prompt_len: usize,
     /// transformers' `max_length` of this row: prompt length + max new tokens.
     pub max_length: usize,
@@ -25,13 +44,33 @@ impl RowContext<'_> {
     }
 
     pub fn new_tokens(&self) -> usize {
-        self.ids.len() - self.prompt_len
+        self.ids.len().saturating_sub(self.prompt_len)
+    }
+
+    /// The prompt part of `ids` (for a decoder-only model, transformers' `inputs_tensor`, which
+    /// the encoder processors read when there is no encoder).
+    pub fn prompt(&self) -> &[u32] {
+        &self.ids[..self.prompt_len.min(self.ids.len())]
     }
 }
 
 /// A logits processor: changes the scores of one row in place.
+///
+/// Custom processors implement this trait too; they run where transformers runs the
+/// `logits_processor` list given to `generate()`: after the built-in processors and before the
+/// sampling warpers.
 pub trait LogitsProcessor {
     fn process(&mut self, ctx: &RowContext, scores: &mut [f32]) -> Result<()>;
+}
+
+/// What the chain builder needs beyond the configuration.
+#[derive(Debug, Clone, Default)]
+pub struct ChainInputs {
+    /// The encoder input ids of each row (encoder-decoder models), for
+    /// `encoder_repetition_penalty` and `encoder_no_repeat_ngram_size`. `None`: a decoder-only
+    /// model, where transformers gives those processors the prompt (`inputs_tensor`), which the
+    /// processors then read from `RowContext::prompt`.
+    pub encoder_ids: Option<Vec<Vec<u32>>>,
 }
 
 /// The processors of one request, in transformers' order.
@@ -41,59 +80,152 @@ pub struct Chain {
 }
 
 impl Chain {
-    /// Build the chain for `config` over a vocabulary of `vocab` tokens. `custom` processors go
-    /// where transformers puts user processors: after the built-in processors and before the
-    /// sampling warpers.
+    /// Build the chain for `config` over a vocabulary of `vocab` tokens for a decoder-only model.
+    /// `custom` processors go where transformers puts user processors: after the built-in
+    /// processors and before the sampling warpers.
     pub fn build(
         config: &GenerationConfig,
         vocab: usize,
         custom: Vec<Box<dyn LogitsProcessor>>,
     ) -> Result<Chain> {
-        let _ = vocab;
-        let d = GenerationConfig::default();
-        let unsupported = [
-            (
-                "repetition_penalty",
-                config.repetition_penalty != d.repetition_penalty,
-            ),
-            ("no_repeat_ngram_size", config.no_repeat_ngram_size != 0),
-            ("bad_words_ids", config.bad_words_ids.is_some()),
-            ("min_length", config.min_length != 0),
-            ("min_new_tokens", config.min_new_tokens.is_some()),
-            ("forced_bos_token_id", config.forced_bos_token_id.is_some()),
-            ("forced_eos_token_id", config.forced_eos_token_id.is_some()),
-            ("suppress_tokens", config.suppress_tokens.is_some()),
-            (
-                "begin_suppress_tokens",
-                config.begin_suppress_tokens.is_some(),
-            ),
-            ("sequence_bias", config.sequence_bias.is_some()),
-            (
-                "exponential_decay_length_penalty",
-                config.exponential_decay_length_penalty.is_some(),
-            ),
-            (
-                "encoder_repetition_penalty",
-                config.encoder_repetition_penalty != 1.0,
-            ),
-            (
-                "encoder_no_repeat_ngram_size",
-                config.encoder_no_repeat_ngram_size != 0,
-            ),
-            ("stop_strings", config.stop_strings.is_some()),
-            ("renormalize_logits", config.renormalize_logits),
-            ("do_sample", config.do_sample),
-        ];
-        if let Some((name, _)) = unsupported.iter().find(|(_, set)| *set) {
-            return Err(Error::Unsupported(format!(
-                "the option `{name}` is not implemented yet"
+        Self::build_with(config, vocab, &ChainInputs::default(), custom)
+    }
+
+    /// `build`, with the encoder inputs of an encoder-decoder model.
+    pub fn build_with(
+        config: &GenerationConfig,
+        vocab: usize,
+        inputs: &ChainInputs,
+        custom: Vec<Box<dyn LogitsProcessor>>,
+    ) -> Result<Chain> {
+        validate(config, vocab)?;
+        let eos = config.eos_ids().to_vec();
+        let mut p: Vec<Box<dyn LogitsProcessor>> = vec![];
+
+        if let Some(bias) = &config.sequence_bias {
+            p.push(Box::new(bad_words::SequenceBias::new(
+                "sequence_bias",
+                bias,
+                vocab,
+            )?));
+        }
+        if config.encoder_repetition_penalty != 1.0 {
+            p.push(Box::new(penalties::EncoderRepetitionPenalty::new(
+                config.encoder_repetition_penalty,
+                inputs.encoder_ids.clone(),
+            )?));
+        }
+        if config.repetition_penalty != 1.0 {
+            p.push(Box::new(penalties::RepetitionPenalty::new(
+                config.repetition_penalty,
+            )?));
+        }
+        if config.no_repeat_ngram_size > 0 {
+            p.push(Box::new(ngram::NoRepeatNGram::new(
+                config.no_repeat_ngram_size,
+            )?));
+        }
+        if config.encoder_no_repeat_ngram_size > 0 {
+            p.push(Box::new(ngram::EncoderNoRepeatNGram::new(
+                config.encoder_no_repeat_ngram_size,
+                inputs.encoder_ids.clone(),
+            )?));
+        }
+        if let Some(bad) = &config.bad_words_ids {
+            p.push(Box::new(bad_words::SequenceBias::bad_words(
+                bad, &eos, vocab,
+            )?));
+        }
+        // `_prepare_generated_length`: `min_new_tokens` replaces `min_length` by
+        // `min_new_tokens + input length`; both processors are then added (they agree).
+        if !eos.is_empty() {
+            if let Some(n) = config.min_new_tokens {
+                if n > 0 {
+                    p.push(Box::new(lengths::MinLength::new(
+                        lengths::MinLengthFrom::PromptPlus(n),
+                        eos.clone(),
+                    )));
+                    p.push(Box::new(lengths::MinNewTokens::new(n, eos.clone())));
+                }
+            } else if config.min_length > 0 {
+                p.push(Box::new(lengths::MinLength::new(
+                    lengths::MinLengthFrom::Fixed(config.min_length),
+                    eos.clone(),
+                )));
+            }
+        }
+        if let Some(bos) = config.forced_bos_token_id {
+            p.push(Box::new(forced::ForcedBos::new(bos)));
+        }
+        if let Some(ids) = &config.forced_eos_token_id {
+            p.push(Box::new(forced::ForcedEos::new(ids.clone())));
+        }
+        if let Some((start, factor)) = config.exponential_decay_length_penalty {
+            if eos.is_empty() {
+                return invalid!(
+                    "`exponential_decay_length_penalty` needs an `eos_token_id`, and none is set"
+                );
+            }
+            p.push(Box::new(penalties::ExponentialDecayLengthPenalty::new(
+                start,
+                factor,
+                eos.clone(),
             )));
         }
-        Ok(Chain { processors: custom })
+        if let Some(ids) = &config.suppress_tokens {
+            p.push(Box::new(suppress::Suppress::new(ids, vocab)));
+        }
+        if let Some(ids) = &config.begin_suppress_tokens {
+            // `_get_logits_processor`: with a forced BOS and a one-token input, the first
+            // generated token is the BOS, so the suppression moves to the second one.
+            p.push(Box::new(suppress::BeginSuppress::new(
+                ids,
+                config.forced_bos_token_id.is_some(),
+            )));
+        }
+        p.extend(custom);
+
+        if config.do_sample {
+            // `min_tokens_to_keep`: 1, or with beam sampling one more than the eos tokens.
+            let keep = if config.num_beams > 1 {
+                eos.len().max(1) + 1
+            } else {
+                1
+            };
+            if config.temperature != 1.0 {
+                p.push(Box::new(warpers::Temperature::new(config.temperature)?));
+            }
+            if config.top_k != 0 {
+                p.push(Box::new(warpers::TopK::new(config.top_k, keep)));
+            }
+            if config.top_p < 1.0 {
+                p.push(Box::new(warpers::TopP::new(config.top_p, keep)?));
+            }
+            if let Some(min_p) = config.min_p {
+                p.push(Box::new(warpers::MinP::new(min_p, keep)?));
+            }
+            if config.typical_p < 1.0 {
+                p.push(Box::new(warpers::Typical::new(config.typical_p, keep)?));
+            }
+            if 0.0 < config.epsilon_cutoff && config.epsilon_cutoff < 1.0 {
+                p.push(Box::new(warpers::Epsilon::new(config.epsilon_cutoff, keep)));
+            }
+            if 0.0 < config.eta_cutoff && config.eta_cutoff < 1.0 {
+                p.push(Box::new(warpers::Eta::new(config.eta_cutoff, keep)));
+            }
+        }
+        if config.renormalize_logits {
+            p.push(Box::new(warpers::LogNormalize));
+        }
+        Ok(Chain { processors: p })
     }
 
     pub fn is_empty(&self) -> bool {
         self.processors.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.processors.len()
     }
 
     /// Apply every processor to one row's scores.
@@ -102,5 +234,223 @@ impl Chain {
             p.process(ctx, scores)?;
         }
         Ok(())
+    }
+}
+
+/// The checks of transformers' `GenerationConfig.validate` and of the processor constructors,
+/// phrased for this API. Sampling options are checked only with `do_sample` (transformers only
+/// warns about them otherwise, and model files often carry them).
+pub fn validate(config: &GenerationConfig, vocab: usize) -> Result<()> {
+    if !(config.repetition_penalty > 0.0) {
+        return invalid!(
+            "`repetition_penalty` must be a strictly positive number, got {}",
+            config.repetition_penalty
+        );
+    }
+    if !(config.encoder_repetition_penalty > 0.0) {
+        return invalid!(
+            "`encoder_repetition_penalty` must be a strictly positive number, got {}",
+            config.encoder_repetition_penalty
+        );
+    }
+    if config.num_return_sequences > 1 && config.num_beams == 1 && !config.do_sample {
+        return invalid!(
+            "greedy search returns one sequence per prompt: `num_return_sequences` must be 1 \
+             without sampling or beams, got {}",
+            config.num_return_sequences
+        );
+    }
+    check_ids(
+        "bad_words_ids",
+        config.bad_words_ids.iter().flatten().flatten(),
+        vocab,
+    )?;
+    check_ids(
+        "suppress_tokens",
+        config.suppress_tokens.iter().flatten(),
+        vocab,
+    )?;
+    check_ids(
+        "begin_suppress_tokens",
+        config.begin_suppress_tokens.iter().flatten(),
+        vocab,
+    )?;
+    check_ids(
+        "forced_bos_token_id",
+        config.forced_bos_token_id.iter(),
+        vocab,
+    )?;
+    check_ids(
+        "forced_eos_token_id",
+        config.forced_eos_token_id.iter().flatten(),
+        vocab,
+    )?;
+    check_ids(
+        "sequence_bias",
+        config
+            .sequence_bias
+            .iter()
+            .flatten()
+            .flat_map(|(ids, _)| ids),
+        vocab,
+    )?;
+    if let Some(bad) = &config.bad_words_ids {
+        if bad.is_empty() {
+            return invalid!("`bad_words_ids` must be a non-empty list of lists of token ids");
+        }
+    }
+    if let Some(bias) = &config.sequence_bias {
+        if bias.is_empty() || bias.iter().any(|(ids, _)| ids.is_empty()) {
+            return invalid!(
+                "`sequence_bias` must be a non-empty list of [non-empty token id list, bias]"
+            );
+        }
+    }
+    if config.do_sample {
+        if !(config.temperature > 0.0) {
+            let hint = if config.temperature == 0.0 {
+                " (for greedy decoding, set `do_sample` to false)"
+            } else {
+                ""
+            };
+            return invalid!(
+                "`temperature` must be strictly positive when sampling, got {}{hint}",
+                config.temperature
+            );
+        }
+        if !(config.top_p > 0.0 && config.top_p <= 1.0) {
+            return invalid!("`top_p` must be in (0, 1], got {}", config.top_p);
+        }
+        if let Some(min_p) = config.min_p {
+            if !(0.0..=1.0).contains(&min_p) {
+                return invalid!("`min_p` must be in [0, 1], got {min_p}");
+            }
+        }
+        if !(config.typical_p > 0.0 && config.typical_p <= 1.0) {
+            return invalid!("`typical_p` must be in (0, 1], got {}", config.typical_p);
+        }
+        for (name, v) in [
+            ("epsilon_cutoff", config.epsilon_cutoff),
+            ("eta_cutoff", config.eta_cutoff),
+        ] {
+            if !(0.0..1.0).contains(&v) {
+                return invalid!("`{name}` must be in [0, 1) (0 turns it off), got {v}");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_ids<'a>(name: &str, ids: impl Iterator<Item = &'a u32>, vocab: usize) -> Result<()> {
+    let bad: Vec<u32> = ids.copied().filter(|&t| t as usize >= vocab).collect();
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        invalid!("`{name}` has token ids outside the vocabulary (0..{vocab}): {bad:?}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(f: impl FnOnce(&mut GenerationConfig)) -> GenerationConfig {
+        let mut c = GenerationConfig {
+            eos_token_id: Some(vec![2]),
+            ..GenerationConfig::default()
+        };
+        f(&mut c);
+        c
+    }
+
+    fn err(c: GenerationConfig) -> String {
+        match Chain::build(&c, 10, vec![]) {
+            Ok(_) => panic!("expected an error for {c:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_their_name() {
+        let m = err(config(|c| {
+            c.do_sample = true;
+            c.temperature = 0.0;
+        }));
+        assert!(m.contains("temperature") && m.contains("do_sample"), "{m}");
+        let m = err(config(|c| {
+            c.do_sample = true;
+            c.temperature = -1.0;
+        }));
+        assert!(m.contains("temperature"), "{m}");
+        for top_p in [0.0, -0.5, 1.5] {
+            let m = err(config(|c| {
+                c.do_sample = true;
+                c.top_p = top_p;
+            }));
+            assert!(m.contains("top_p"), "{m}");
+        }
+        for penalty in [0.0, -1.0] {
+            let m = err(config(|c| c.repetition_penalty = penalty));
+            assert!(m.contains("repetition_penalty"), "{m}");
+        }
+        let m = err(config(|c| {
+            c.bad_words_ids = Some(vec![vec![3], vec![4, 10]])
+        }));
+        assert!(m.contains("bad_words_ids") && m.contains("[10]"), "{m}");
+        let m = err(config(|c| c.suppress_tokens = Some(vec![11])));
+        assert!(m.contains("suppress_tokens") && m.contains("11"), "{m}");
+        let m = err(config(|c| c.num_return_sequences = 2));
+        assert!(m.contains("num_return_sequences"), "{m}");
+    }
+
+    #[test]
+    fn sampling_options_are_ignored_without_sampling() {
+        let c = config(|c| {
+            c.temperature = 0.0;
+            c.top_p = 0.5;
+            c.top_k = 3;
+        });
+        assert!(Chain::build(&c, 10, vec![]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn negative_top_k_is_refused_by_the_options() {
+        let mut c = GenerationConfig::default();
+        let o = serde_json::json!({"top_k": -1});
+        let m = c
+            .apply_options(o.as_object().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("top_k"), "{m}");
+    }
+
+    struct AddOne;
+    impl LogitsProcessor for AddOne {
+        fn process(&mut self, _: &RowContext, scores: &mut [f32]) -> Result<()> {
+            scores.iter_mut().for_each(|s| *s += 1.0);
+            Ok(())
+        }
+    }
+
+    /// Custom processors run after suppress_tokens and before temperature.
+    #[test]
+    fn custom_processors_sit_before_the_warpers() {
+        let c = config(|c| {
+            c.suppress_tokens = Some(vec![0]);
+            c.do_sample = true;
+            c.top_k = 0;
+            c.temperature = 2.0;
+        });
+        let mut chain = Chain::build(&c, 3, vec![Box::new(AddOne)]).unwrap();
+        assert_eq!(chain.len(), 3);
+        let mut s = vec![1.0, 2.0, 3.0];
+        let ctx = RowContext {
+            row: 0,
+            ids: &[1],
+            prompt_len: 1,
+            max_length: 5,
+        };
+        chain.apply(&ctx, &mut s).unwrap();
+        assert_eq!(s, vec![f32::NEG_INFINITY, 1.5, 2.0]);
     }
 }

@@ -8,6 +8,9 @@ use serde_json::Value;
 /// Tolerance on scores (transition scores, sequence scores).
 pub const SCORE_TOLERANCE: f32 = 1e-4;
 
+/// Tolerance on each probability of a `sampling_distribution` case.
+pub const PROBABILITY_TOLERANCE: f32 = 1e-5;
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
     Passed,
@@ -47,6 +50,7 @@ pub fn run_case(model: &Model, case: &Value) -> CaseResult {
     let id = case["id"].as_str().unwrap_or("?").to_owned();
     let outcome = match case["kind"].as_str() {
         Some("generate") => run_generate(model, case),
+        Some("sampling_distribution") => run_distribution(model, case),
         Some(kind) => Outcome::Skipped(format!("case kind `{kind}`")),
         None => Outcome::Failed("the case has no kind".into()),
     };
@@ -193,6 +197,63 @@ fn run_generate(model: &Model, case: &Value) -> Outcome {
             problems.push(format!(
                 "prompt {p}: `finished` is not set on the last event only"
             ));
+        }
+    }
+    if problems.is_empty() {
+        Outcome::Passed
+    } else {
+        Outcome::Failed(problems.join("; "))
+    }
+}
+
+/// `sampling_distribution`: at step k the input is the prompt and `continuation_ids[..k]`; the
+/// probabilities after every processor and warper must match `steps[k].top` within
+/// `PROBABILITY_TOLERANCE`, and the number of non-zero probabilities `support_size` exactly.
+fn run_distribution(model: &Model, case: &Value) -> Outcome {
+    let options = case["generation_kwargs"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    let prompts = prompts(case);
+    let [prompt] = prompts.as_slice() else {
+        return Outcome::Failed(format!("one prompt expected, got {}", prompts.len()));
+    };
+    let continuation = ids(&case["continuation_ids"]);
+    let steps = case["steps"].as_array().cloned().unwrap_or_default();
+    if steps.is_empty() {
+        return Outcome::Failed("the case has no steps".into());
+    }
+    let mut problems = vec![];
+    for (k, step) in steps.iter().enumerate() {
+        let prefix = ids(&step["generated_prefix_ids"]);
+        if continuation.get(..k) != Some(prefix.as_slice()) {
+            return Outcome::Failed(format!(
+                "step {k}: prefix {prefix:?} is not the continuation"
+            ));
+        }
+        let probs = match model.next_token_probabilities(prompt, &prefix, &options) {
+            Ok(p) => p,
+            Err(Error::Unsupported(m)) => return Outcome::Skipped(m),
+            Err(e) => return Outcome::Failed(format!("step {k}: error: {e}")),
+        };
+        let support = probs.iter().filter(|&&p| p > 0.0).count();
+        let want_support = step["support_size"].as_u64().unwrap_or(0) as usize;
+        if support != want_support {
+            problems.push(format!(
+                "step {k}: support size {support}, expected {want_support}"
+            ));
+        }
+        for pair in step["top"].as_array().into_iter().flatten() {
+            let (Some(t), Some(want)) = (pair[0].as_u64(), pair[1].as_f64()) else {
+                return Outcome::Failed(format!("step {k}: bad top entry {pair}"));
+            };
+            let got = probs.get(t as usize).copied().unwrap_or(f32::NAN);
+            let diff = (got - want as f32).abs();
+            if !(diff <= PROBABILITY_TOLERANCE) {
+                problems.push(format!(
+                    "step {k}: token {t} probability {got}, expected {want} (diff {diff})"
+                ));
+            }
         }
     }
     if problems.is_empty() {
