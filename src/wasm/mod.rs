@@ -409,6 +409,9 @@ fn event_to_js(e: &TokenEvent) -> Result<JsValue, JsValue> {
     if let Some(lp) = e.logprob {
         Reflect::set(&o, &"logprob".into(), &lp.into())?;
     }
+    if let Some(top) = &e.top_logprobs {
+        Reflect::set(&o, &"top_logprobs".into(), &to_js(&json!(top))?)?;
+    }
     Ok(o.into())
 }
 
@@ -431,6 +434,9 @@ fn output_to_js(out: &Output) -> Result<JsValue, JsValue> {
                         }
                         if let Some(score) = s.sequence_score {
                             v["sequence_score"] = json!(score);
+                        }
+                        if let Some(top) = &s.top_logprobs {
+                            v["top_logprobs"] = json!(top);
                         }
                         v
                     })

@@ -118,8 +118,15 @@ export interface GenerateOptions {
   bos_token_id?: number | null;
   /** Record the processed score and log-probability of each chosen token. */
   output_scores?: boolean | null;
-  /** Seed of the sampler: the same seed gives the same tokens. */
-  seed?: number | null;
+  /** Alias of `output_scores`. */
+  token_logprobs?: boolean | null;
+  /** Also record the N most likely tokens of each step with their log-probabilities. */
+  top_logprobs?: number | null;
+  /**
+   * Seed of the sampler: the same seed gives the same tokens. One number `s` seeds row `r`
+   * with `s + r`; a list gives one seed per row.
+   */
+  seed?: number | number[] | null;
   /** Called once per new token, in order. Throwing ends the request with that exception. */
   on_token?: (event: TokenEvent) => void;
   /**
@@ -132,7 +139,7 @@ export interface GenerateOptions {
 }
 
 /** Why a sequence stopped. */
-export type FinishReason = "eos" | "length" | "abort";
+export type FinishReason = "eos" | "length" | "stop_string" | "abort";
 
 /** One new token of one row. */
 export interface TokenEvent {
@@ -151,6 +158,8 @@ export interface TokenEvent {
   finish_reason: FinishReason | null;
   /** With `output_scores`: log-probability of the token. */
   logprob?: number;
+  /** With `top_logprobs`: the most likely tokens of this step, `[token_id, logprob]`. */
+  top_logprobs?: [number, number][];
 }
 
 /** One generated sequence. */
@@ -166,6 +175,8 @@ export interface GeneratedSequence {
   logprobs?: number[];
   /** Beam search: the hypothesis score. */
   sequence_score?: number;
+  /** With `top_logprobs`: per step, the most likely tokens `[token_id, logprob]`. */
+  top_logprobs?: [number, number][][];
 }
 
 /** The result of `generate`: the first sequence of the first prompt, and all of them. */
