@@ -116,6 +116,7 @@ fn model_from_bytes(bytes: &JsValue) -> Result<JsModel, JsValue> {
         config: required("config")?,
         generation_config: file("generation_config"),
         tokenizer: required("tokenizer")?,
+        ..ModelFiles::default()
     };
     let model = Model::load(&files).map_err(js_error)?;
     let chat = ChatTemplate::from_files(
