@@ -253,7 +253,7 @@ async fn abort_resolves_with_abort_and_the_model_recovers() {
 
 fn web_abort_controller() -> JsValue {
     let ctor = get(&js_sys::global(), "AbortController");
-    Reflect::construct(ctor.unchecked_ref(), &Array::new()).unwrap()
+    Reflect::construct(ctor.unchecked_ref::<Function>(), &Array::new()).unwrap()
 }
 
 #[wasm_bindgen_test]
@@ -300,7 +300,7 @@ async fn bad_model_files_reject_with_named_errors() {
     let e = load_model(wrong, JsValue::UNDEFINED).await.err().unwrap();
     assert!(error_message(&e).contains("model.onnx"), "{}", error_message(&e));
     let missing = files(&f);
-    Reflect::delete_property(missing.unchecked_ref(), &"tokenizer".into()).unwrap();
+    Reflect::delete_property(missing.unchecked_ref::<Object>(), &"tokenizer".into()).unwrap();
     let e = load_model(missing, JsValue::UNDEFINED).await.err().unwrap();
     assert!(error_message(&e).contains("tokenizer"));
     let unknown = files(&f);
