@@ -100,7 +100,10 @@ impl ChatTemplate {
         let list: Vec<Value> = messages
             .iter()
             .map(|(role, content)| {
-                Value::from_iter([("role", Value::from(*role)), ("content", Value::from(*content))])
+                Value::from_iter([
+                    ("role", Value::from(*role)),
+                    ("content", Value::from(*content)),
+                ])
             })
             .collect();
         self.render(Value::from(list), add_generation_prompt)
@@ -161,7 +164,9 @@ fn check_messages(messages: &Value) -> Result<()> {
     for i in 0..len {
         let m = messages.get_item_by_index(i).unwrap_or_default();
         if m.kind() != ValueKind::Map {
-            return invalid!("chat message {i} must be an object with `role` and `content`, got {m}");
+            return invalid!(
+                "chat message {i} must be an object with `role` and `content`, got {m}"
+            );
         }
         let role = m.get_attr("role").unwrap_or_default();
         if role.kind() != ValueKind::String {
@@ -292,7 +297,11 @@ mod tests {
             let messages = serde_json::to_string(&case["messages"]).unwrap();
             let add = case["add_generation_prompt"].as_bool().unwrap();
             let text = t.render_json(&messages, add).unwrap();
-            assert_eq!(text, case["text"].as_str().unwrap(), "{golden}: {messages} {add}");
+            assert_eq!(
+                text,
+                case["text"].as_str().unwrap(),
+                "{golden}: {messages} {add}"
+            );
         }
     }
 
@@ -338,9 +347,13 @@ mod tests {
         let config = br#"{"bos_token": {"content": "<s>"}, "chat_template": [
             {"name": "tool_use", "template": "x"},
             {"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}"}]}"#;
-        let t = ChatTemplate::from_files(None, Some(config)).unwrap().unwrap();
+        let t = ChatTemplate::from_files(None, Some(config))
+            .unwrap()
+            .unwrap();
         assert_eq!(t.render_pairs(&[("user", "hi")], true).unwrap(), "<s>hi");
-        assert!(ChatTemplate::from_files(None, Some(b"{}")).unwrap().is_none());
+        assert!(ChatTemplate::from_files(None, Some(b"{}"))
+            .unwrap()
+            .is_none());
         let e = t.render_json(r#"[{"content": "x"}]"#, true).unwrap_err();
         assert!(e.to_string().contains("`role`"), "{e}");
         let e = t.render_json("[]", true).unwrap_err();

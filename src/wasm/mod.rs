@@ -90,12 +90,8 @@ pub async fn load_model_from_url(base: JsValue, options: JsValue) -> Result<JsMo
             describe(&base)
         )));
     }
-    let bytes = fetch_model_folder(
-        base,
-        get(&options, "variant"),
-        get(&options, "on_progress"),
-    )
-    .await?;
+    let bytes =
+        fetch_model_folder(base, get(&options, "variant"), get(&options, "on_progress")).await?;
     model_from_bytes(&bytes)
 }
 
@@ -105,7 +101,8 @@ fn model_from_bytes(bytes: &JsValue) -> Result<JsModel, JsValue> {
         v.dyn_ref::<Uint8Array>().map(Uint8Array::to_vec)
     };
     let required = |name: &str| {
-        file(name).ok_or_else(|| js_error(Error::Model(format!("the model file `{name}` is missing"))))
+        file(name)
+            .ok_or_else(|| js_error(Error::Model(format!("the model file `{name}` is missing"))))
     };
     let files = ModelFiles {
         model_name: get(bytes, "model_name")
@@ -139,11 +136,9 @@ impl JsModel {
     /// Load the model folder served under a URL prefix.
     #[wasm_bindgen(js_name = fromUrl)]
     pub fn from_url(base: JsValue, options: JsValue) -> Promise {
-        future_to_promise(async move {
-            load_model_from_url(base, options)
-                .await
-                .map(JsValue::from)
-        })
+        future_to_promise(
+            async move { load_model_from_url(base, options).await.map(JsValue::from) },
+        )
     }
 
     /// Generate; resolves with the result (finish reason `abort` when the signal fired).
@@ -167,7 +162,11 @@ impl JsModel {
     }
 
     /// Token ids of a text (`add_special_tokens` defaults to true, as transformers does).
-    pub fn encode(&self, text: &str, add_special_tokens: Option<bool>) -> Result<Vec<u32>, JsValue> {
+    pub fn encode(
+        &self,
+        text: &str,
+        add_special_tokens: Option<bool>,
+    ) -> Result<Vec<u32>, JsValue> {
         self.inner
             .model
             .tokenizer
@@ -187,7 +186,11 @@ impl JsModel {
         messages: JsValue,
         add_generation_prompt: Option<bool>,
     ) -> Result<String, JsValue> {
-        render_chat(&self.inner, &messages, add_generation_prompt.unwrap_or(true))
+        render_chat(
+            &self.inner,
+            &messages,
+            add_generation_prompt.unwrap_or(true),
+        )
     }
 
     /// Whether the model has a chat template.
@@ -270,7 +273,9 @@ fn prompts_of(inner: &Loaded, input: &JsValue) -> Result<Vec<Vec<u32>>, JsValue>
     };
     let items: Vec<JsValue> = list.iter().collect();
     let Some(first) = items.first() else {
-        return Err(invalid("input is an empty list: give text, token ids or chat messages".into()));
+        return Err(invalid(
+            "input is an empty list: give text, token ids or chat messages".into(),
+        ));
     };
     if first.as_f64().is_some() {
         return Ok(vec![token_ids(&items, None)?]);
@@ -306,11 +311,16 @@ fn prompts_of(inner: &Loaded, input: &JsValue) -> Result<Vec<Vec<u32>>, JsValue>
         // transformers' apply_chat_template(tokenize=True) encodes with add_special_tokens=False.
         return Ok(vec![tokenizer.encode(&text, false).map_err(js_error)?]);
     }
-    Err(invalid(format!("{EXPECTED}, got a list of {}", describe(first))))
+    Err(invalid(format!(
+        "{EXPECTED}, got a list of {}",
+        describe(first)
+    )))
 }
 
 fn token_ids(items: &[JsValue], prompt: Option<usize>) -> Result<Vec<u32>, JsValue> {
-    let which = prompt.map(|p| format!(" of prompt {p}")).unwrap_or_default();
+    let which = prompt
+        .map(|p| format!(" of prompt {p}"))
+        .unwrap_or_default();
     items
         .iter()
         .enumerate()
@@ -350,7 +360,10 @@ fn parse_options(options: &JsValue) -> Result<Options, JsValue> {
         None
     } else {
         Some(on_token.dyn_into::<Function>().map_err(|v| {
-            invalid(format!("`on_token` must be a function, got {}", describe(&v)))
+            invalid(format!(
+                "`on_token` must be a function, got {}",
+                describe(&v)
+            ))
         })?)
     };
     let signal = get(options, "signal");
@@ -379,7 +392,9 @@ fn parse_options(options: &JsValue) -> Result<Options, JsValue> {
         }
         if let Some(x) = value.as_f64() {
             if !x.is_finite() {
-                return Err(invalid(format!("option `{name}` must be a finite number, got {x}")));
+                return Err(invalid(format!(
+                    "option `{name}` must be a finite number, got {x}"
+                )));
             }
         }
         Reflect::set(&rest, &key, &value)?;

@@ -90,8 +90,7 @@ fn error_message(e: &JsValue) -> String {
 /// Collects `on_token` events into a JS array.
 fn collector() -> (Array, Function) {
     let events = Array::new();
-    let push = Function::new_with_args("event", "this.push(event)")
-        .bind(&events);
+    let push = Function::new_with_args("event", "this.push(event)").bind(&events);
     (events, push)
 }
 
@@ -106,7 +105,11 @@ fn check_events(case_id: &str, events: &Array, result: &JsValue, expected: &[Val
         let want: Vec<u32> = serde_json::from_value(exp["new_token_ids"].clone()).unwrap();
         assert_eq!(ids_of(&get(&seq, "token_ids")), want, "{case_id} row {row}");
         let reason = exp["finish_reason"].as_str().unwrap();
-        assert_eq!(get(&seq, "finish_reason").as_string().unwrap(), reason, "{case_id}");
+        assert_eq!(
+            get(&seq, "finish_reason").as_string().unwrap(),
+            reason,
+            "{case_id}"
+        );
         let row_events: Vec<JsValue> = events
             .iter()
             .filter(|e| get(e, "row").as_f64() == Some(row as f64))
@@ -116,16 +119,28 @@ fn check_events(case_id: &str, events: &Array, result: &JsValue, expected: &[Val
         let mut text = String::new();
         for (i, e) in row_events.iter().enumerate() {
             let last = i + 1 == row_events.len();
-            assert_eq!(get(e, "finished").as_bool(), Some(last), "{case_id} event {i}");
+            assert_eq!(
+                get(e, "finished").as_bool(),
+                Some(last),
+                "{case_id} event {i}"
+            );
             if i < want.len() {
-                assert_eq!(get(e, "token_id").as_f64(), Some(want[i] as f64), "{case_id}");
+                assert_eq!(
+                    get(e, "token_id").as_f64(),
+                    Some(want[i] as f64),
+                    "{case_id}"
+                );
             }
             text.push_str(&get(e, "text").as_string().unwrap());
         }
         if let Some(last) = row_events.last() {
             assert_eq!(get(last, "finish_reason").as_string().unwrap(), reason);
         }
-        assert_eq!(text, get(&seq, "text").as_string().unwrap(), "{case_id}: deltas");
+        assert_eq!(
+            text,
+            get(&seq, "text").as_string().unwrap(),
+            "{case_id}: deltas"
+        );
     }
 }
 
@@ -144,7 +159,9 @@ async fn golden_greedy(f: Fixture) {
         let input = if prompts.len() == 1 {
             js(&prompts[0]["ids"])
         } else {
-            js(&Value::Array(prompts.iter().map(|p| p["ids"].clone()).collect()))
+            js(&Value::Array(
+                prompts.iter().map(|p| p["ids"].clone()).collect(),
+            ))
         };
         let options = js(&case["generation_kwargs"]);
         let (events, push) = collector();
@@ -189,9 +206,12 @@ async fn text_input_and_load_progress() {
         assert_eq!(get(&last, "loaded").as_f64(), get(&last, "total").as_f64());
     }
     // The golden case greedy_p1 from text: "hello" encodes to its ids.
-    let result = await_promise(model.generate("hello".into(), js(&serde_json::json!({"max_new_tokens": 12}))))
-        .await
-        .unwrap();
+    let result = await_promise(model.generate(
+        "hello".into(),
+        js(&serde_json::json!({"max_new_tokens": 12})),
+    ))
+    .await
+    .unwrap();
     assert_eq!(
         ids_of(&get(&result, "token_ids")),
         [411, 403, 197, 128, 502, 495, 348, 1, 89, 233, 171, 297]
@@ -214,17 +234,25 @@ async fn chat_input_uses_the_template() {
     let text = model.apply_chat_template(messages.clone(), None).unwrap();
     assert_eq!(text, "user: hello\nassistant:");
     let opts = serde_json::json!({"max_new_tokens": 5});
-    let chat = await_promise(model.generate(messages, js(&opts))).await.unwrap();
+    let chat = await_promise(model.generate(messages, js(&opts)))
+        .await
+        .unwrap();
     let ids = model.encode(&text, Some(false)).unwrap();
     let direct = await_promise(model.generate(js(&serde_json::json!(ids)), js(&opts)))
         .await
         .unwrap();
-    assert_eq!(ids_of(&get(&chat, "token_ids")), ids_of(&get(&direct, "token_ids")));
+    assert_eq!(
+        ids_of(&get(&chat, "token_ids")),
+        ids_of(&get(&direct, "token_ids"))
+    );
     // Without a template, chat input is an error naming it.
     let plain = load(&f).await;
-    let e = await_promise(plain.generate(js(&serde_json::json!([{"role": "user", "content": "x"}])), JsValue::UNDEFINED))
-        .await
-        .unwrap_err();
+    let e = await_promise(plain.generate(
+        js(&serde_json::json!([{"role": "user", "content": "x"}])),
+        JsValue::UNDEFINED,
+    ))
+    .await
+    .unwrap_err();
     assert!(error_message(&e).contains("chat template"));
 }
 
@@ -245,9 +273,12 @@ async fn abort_resolves_with_abort_and_the_model_recovers() {
     assert_eq!(get(&r, "finish_reason").as_string().unwrap(), "abort");
     assert_eq!(ids_of(&get(&r, "token_ids")), [411]);
     // Then the same model generates the golden tokens.
-    let r = await_promise(model.generate(js(&serde_json::json!([1, 355, 459, 316])), js(&serde_json::json!({"max_new_tokens": 12}))))
-        .await
-        .unwrap();
+    let r = await_promise(model.generate(
+        js(&serde_json::json!([1, 355, 459, 316])),
+        js(&serde_json::json!({"max_new_tokens": 12})),
+    ))
+    .await
+    .unwrap();
     assert_eq!(ids_of(&get(&r, "token_ids"))[..3], [411, 403, 197]);
 }
 
@@ -262,25 +293,61 @@ async fn bad_input_rejects_with_named_errors_and_the_model_recovers() {
     let model = load(&f).await;
     let prompt = js(&serde_json::json!([1, 355, 459, 316]));
     let cases: Vec<(JsValue, JsValue, &str)> = vec![
-        (prompt.clone(), js(&serde_json::json!({"max_new_token": 3})), "unknown option `max_new_token`; valid options are:"),
-        (prompt.clone(), js(&serde_json::json!({"max_new_tokens": -1})), "max_new_tokens"),
-        (prompt.clone(), js(&serde_json::json!({"max_new_tokens": "many"})), "max_new_tokens"),
-        (prompt.clone(), js(&serde_json::json!({"temperature": true})), "temperature"),
-        (js(&serde_json::json!([1, 9999])), JsValue::UNDEFINED, "9999"),
-        (js(&serde_json::json!([1, -2])), JsValue::UNDEFINED, "position 1"),
+        (
+            prompt.clone(),
+            js(&serde_json::json!({"max_new_token": 3})),
+            "unknown option `max_new_token`; valid options are:",
+        ),
+        (
+            prompt.clone(),
+            js(&serde_json::json!({"max_new_tokens": -1})),
+            "max_new_tokens",
+        ),
+        (
+            prompt.clone(),
+            js(&serde_json::json!({"max_new_tokens": "many"})),
+            "max_new_tokens",
+        ),
+        (
+            prompt.clone(),
+            js(&serde_json::json!({"temperature": true})),
+            "temperature",
+        ),
+        (
+            js(&serde_json::json!([1, 9999])),
+            JsValue::UNDEFINED,
+            "9999",
+        ),
+        (
+            js(&serde_json::json!([1, -2])),
+            JsValue::UNDEFINED,
+            "position 1",
+        ),
         (JsValue::from_f64(3.0), JsValue::UNDEFINED, "input must be"),
         (js(&serde_json::json!([])), JsValue::UNDEFINED, "empty"),
-        (prompt.clone(), JsValue::from_str("fast"), "options must be an object"),
+        (
+            prompt.clone(),
+            JsValue::from_str("fast"),
+            "options must be an object",
+        ),
     ];
     for (input, options, needle) in cases {
-        let e = await_promise(model.generate(input, options)).await.unwrap_err();
+        let e = await_promise(model.generate(input, options))
+            .await
+            .unwrap_err();
         let msg = error_message(&e);
         assert!(msg.contains(needle), "{msg:?} should name {needle:?}");
     }
     // A throwing on_token rejects with its exception.
     let options = js(&serde_json::json!({"max_new_tokens": 3}));
-    set(&options, "on_token", &Function::new_with_args("e", "throw new Error('callback broke')"));
-    let e = await_promise(model.generate(prompt.clone(), options)).await.unwrap_err();
+    set(
+        &options,
+        "on_token",
+        &Function::new_with_args("e", "throw new Error('callback broke')"),
+    );
+    let e = await_promise(model.generate(prompt.clone(), options))
+        .await
+        .unwrap_err();
     assert!(error_message(&e).contains("callback broke"));
     // The model still generates correctly.
     let r = await_promise(model.generate(prompt, js(&serde_json::json!({"max_new_tokens": 12}))))
@@ -298,7 +365,11 @@ async fn bad_model_files_reject_with_named_errors() {
     let wrong = files(&f);
     set(&wrong, "model", &bytes(b"not an onnx file"));
     let e = load_model(wrong, JsValue::UNDEFINED).await.err().unwrap();
-    assert!(error_message(&e).contains("model.onnx"), "{}", error_message(&e));
+    assert!(
+        error_message(&e).contains("model.onnx"),
+        "{}",
+        error_message(&e)
+    );
     let missing = files(&f);
     Reflect::delete_property(missing.unchecked_ref::<Object>(), &"tokenizer".into()).unwrap();
     let e = load_model(missing, JsValue::UNDEFINED).await.err().unwrap();
@@ -313,7 +384,11 @@ async fn bad_model_files_reject_with_named_errors() {
     assert!(error_message(&e).contains("config"));
     // The tokenizer of another model: a vocabulary that does not fit is refused.
     let t5 = files(&f);
-    set(&t5, "tokenizer", &bytes(include_bytes!("../fixtures/models/t5/tokenizer.json")));
+    set(
+        &t5,
+        "tokenizer",
+        &bytes(include_bytes!("../fixtures/models/t5/tokenizer.json")),
+    );
     if let Err(e) = load_model(t5, JsValue::UNDEFINED).await {
         assert!(error_message(&e).contains("tokenizer"));
     }
@@ -337,5 +412,8 @@ async fn stream_iterates_the_events() {
         }
         ids.push(get(&get(&r, "value"), "token_id").as_f64().unwrap() as u32);
     }
-    assert_eq!(ids, [411, 403, 197, 128, 502, 495, 348, 1, 89, 233, 171, 297]);
+    assert_eq!(
+        ids,
+        [411, 403, 197, 128, 502, 495, 348, 1, 89, 233, 171, 297]
+    );
 }
