@@ -16,6 +16,7 @@
 
 pub mod audio;
 pub mod cache;
+pub mod chat;
 pub mod config;
 pub mod decoder;
 pub mod error;
@@ -24,8 +25,11 @@ pub mod model;
 pub mod processors;
 pub mod search;
 pub mod tokenizer;
+#[cfg(target_arch = "wasm32")]
+pub mod wasm;
 pub mod whisper;
 
+pub use chat::ChatTemplate;
 pub use config::{EarlyStopping, GenerationConfig};
 pub use decoder::{Decoder, DecoderState, Logits};
 pub use error::{Error, Result};

@@ -1,0 +1,157 @@
+// The JavaScript API of the built package (pkg/) in Node: streaming with `for await`, a
+// ReadableStream as a Response body, the event loop running between steps, AbortSignal,
+// Model.fromUrl with progress, and errors that name the bad input.
+//   node --test js-tests/
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { readFile } from "node:fs/promises";
+import { fileURLToPath } from "node:url";
+import { serve, demoMounts } from "../scripts/serve.mjs";
+
+const root = new URL("../", import.meta.url);
+const pkgDir = process.env.ONNX_GENERATE_PKG
+  ? new URL(`file://${process.env.ONNX_GENERATE_PKG.replace(/\/?$/, "/")}`)
+  : new URL("pkg/", root);
+const { initSync, Model } = await import(new URL("onnx_generate.js", pkgDir));
+initSync({ module: await readFile(new URL("onnx_generate_bg.wasm", pkgDir)) });
+
+const fixture = (name, file) => readFile(new URL(`tests/fixtures/models/${name}/${file}`, root));
+const files = async (name) => ({
+  model: await fixture(name, "model.onnx"),
+  config: await fixture(name, "config.json"),
+  generation_config: await fixture(name, "generation_config.json"),
+  tokenizer: await fixture(name, "tokenizer.json"),
+});
+const HELLO = [1, 355, 459, 316];
+const GOLDEN = [411, 403, 197, 128, 502, 495, 348, 1, 89, 233, 171, 297];
+
+let model;
+before(async () => {
+  model = await Model.load(await files("llama"));
+});
+
+test("generate resolves with the golden ids, text and finish reason", async () => {
+  const events = [];
+  const r = await model.generate(HELLO, { max_new_tokens: 12, on_token: (e) => events.push(e) });
+  assert.deepEqual(r.token_ids, GOLDEN);
+  assert.equal(r.finish_reason, "length");
+  assert.equal(events.length, 12);
+  assert.deepEqual(events.map((e) => e.token_id), GOLDEN);
+  assert.deepEqual(events.map((e) => e.finished), [...Array(11).fill(false), true]);
+  assert.equal(events.map((e) => e.text).join(""), r.text);
+  assert.equal(r.sequences[0][0].text, r.text);
+});
+
+test("stream() is an async iterator of the same events", async () => {
+  const events = [];
+  for await (const e of model.stream(HELLO, { max_new_tokens: 12 })) events.push(e);
+  assert.deepEqual(events.map((e) => e.token_id), GOLDEN);
+  assert.equal(events.at(-1).finished, true);
+  assert.equal(events.at(-1).finish_reason, "length");
+});
+
+test("breaking out of stream() stops generation and the model recovers", async () => {
+  let seen = 0;
+  const it = model.stream(HELLO, { max_new_tokens: 200, on_token: () => seen++ });
+  for await (const e of it) {
+    if (e.token_id === GOLDEN[2]) break;
+  }
+  const atBreak = seen;
+  await new Promise((r) => setTimeout(r, 50));
+  assert.ok(seen <= atBreak + 1, `generation went on after break: ${atBreak} -> ${seen}`);
+  const r = await model.generate(HELLO, { max_new_tokens: 12 });
+  assert.deepEqual(r.token_ids, GOLDEN);
+});
+
+test("readable() is a ReadableStream usable as a Response body", async () => {
+  const r = await model.generate(HELLO, { max_new_tokens: 12 });
+  const text = await new Response(model.readable(HELLO, { max_new_tokens: 12 })).text();
+  assert.equal(text, r.text);
+});
+
+test("a setTimeout callback fires during a long generation", async () => {
+  let tokens = 0;
+  let firedAt = null;
+  setTimeout(() => {
+    firedAt = tokens;
+  }, 0);
+  const r = await model.generate(HELLO, { max_new_tokens: 200, on_token: () => tokens++ });
+  assert.notEqual(firedAt, null, "the timer never fired");
+  assert.ok(firedAt < r.token_ids.length, `the timer fired only after the end (${firedAt})`);
+});
+
+test("an AbortSignal resolves with finish_reason abort; the model recovers", async () => {
+  const controller = new AbortController();
+  const events = [];
+  const r = await model.generate(HELLO, {
+    max_new_tokens: 200,
+    signal: controller.signal,
+    on_token: (e) => {
+      events.push(e);
+      if (events.length === 3) controller.abort();
+    },
+  });
+  assert.equal(r.finish_reason, "abort");
+  assert.deepEqual(r.token_ids, GOLDEN.slice(0, 3));
+  // Already aborted: no token.
+  const r2 = await model.generate(HELLO, { signal: AbortSignal.abort() });
+  assert.equal(r2.finish_reason, "abort");
+  assert.deepEqual(r2.token_ids, []);
+  assert.deepEqual((await model.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN);
+});
+
+test("bad input rejects with an Error naming it; the model recovers", async () => {
+  const cases = [
+    [HELLO, { max_new_tokenz: 3 }, /unknown option `max_new_tokenz`; valid options are: .*max_new_tokens/],
+    [HELLO, { max_new_tokens: -4 }, /max_new_tokens.*-4/],
+    [HELLO, { top_k: "many" }, /top_k/],
+    [HELLO, { on_token: 5 }, /on_token/],
+    [HELLO, { signal: "stop" }, /signal/],
+    [[1, 1e6], {}, /1000000/],
+    [{ text: "hi" }, {}, /input must be/],
+  ];
+  for (const [input, options, pattern] of cases) {
+    await assert.rejects(model.generate(input, options), (e) => {
+      assert.ok(e instanceof Error);
+      assert.match(e.message, pattern);
+      return true;
+    });
+  }
+  await assert.rejects(
+    Model.load({ ...(await files("llama")), model: await fixture("llama", "tokenizer.json") }),
+    /model/,
+  );
+  await assert.rejects(Model.load({ config: new Uint8Array(1) }), /`model` is missing/);
+  await assert.rejects(Model.load({ ...(await files("llama")), tokenizers: "x" }), /unknown model file `tokenizers`/);
+  assert.deepEqual((await model.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN);
+});
+
+test("gpt2 through the same API", async () => {
+  const golden = JSON.parse(await readFile(new URL("tests/fixtures/golden/gpt2.json", root)));
+  const gpt2 = await Model.load(await files("gpt2"));
+  const c = golden.cases.find((c) => c.tags.includes("plain_greedy") && c.prompts.length === 1);
+  const r = await gpt2.generate(c.prompts[0].ids, c.generation_kwargs);
+  assert.deepEqual(r.token_ids, c.expected[0][0].new_token_ids);
+  assert.equal(r.finish_reason, c.expected[0][0].finish_reason);
+  gpt2.free();
+});
+
+test("Model.fromUrl reads a served folder with per-file progress", async () => {
+  const server = await serve({ port: 0, mounts: demoMounts({ pkg: fileURLToPath(pkgDir) }) });
+  try {
+    const base = `http://127.0.0.1:${server.address().port}/models/default/`;
+    const progress = [];
+    const m = await Model.fromUrl(base, { on_progress: (p) => progress.push(p) });
+    const files = new Set(progress.map((p) => p.file));
+    for (const f of ["model", "config", "generation_config", "tokenizer", "tokenizer_config"]) {
+      assert.ok(files.has(f), `no progress for ${f}`);
+      const last = progress.filter((p) => p.file === f).at(-1);
+      assert.equal(last.loaded, last.total);
+    }
+    assert.deepEqual((await m.generate("hello", { max_new_tokens: 12 })).token_ids, GOLDEN);
+    await assert.rejects(Model.fromUrl(`${base}missing/`), /no ONNX model under/);
+  } finally {
+    server.closeAllConnections();
+    server.close();
+  }
+});

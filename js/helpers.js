@@ -1,0 +1,326 @@
+// JavaScript side of the wasm binding (a wasm-bindgen snippet, shipped in pkg/snippets/):
+// reading model files from bytes, Blobs, Responses and URLs with progress, yielding to the
+// event loop, and the queue behind `stream()` and `readable()`.
+
+/** The files `Model.load` reads, with whether each is required. */
+const FILES = {
+  model: true,
+  external_data: false,
+  config: true,
+  generation_config: false,
+  tokenizer: true,
+  tokenizer_config: false,
+  chat_template: false,
+};
+
+function describe(v) {
+  if (v === null) return "null";
+  if (Array.isArray(v)) return "an array";
+  if (typeof v === "object") return (v.constructor && v.constructor.name) || "an object";
+  return `${typeof v} ${String(v).slice(0, 40)}`;
+}
+
+function report(onProgress, file, loaded, total) {
+  if (typeof onProgress === "function") onProgress({ file, loaded, total });
+}
+
+/** The body of a Response as bytes, reporting progress as chunks arrive. */
+async function readResponse(response, file, onProgress) {
+  if (!response.ok) {
+    throw new Error(`${file}: HTTP ${response.status} ${response.statusText} for ${response.url}`);
+  }
+  const length = Number(response.headers.get("content-length"));
+  const total = Number.isFinite(length) && length > 0 ? length : null;
+  if (!response.body) {
+    const bytes = new Uint8Array(await response.arrayBuffer());
+    report(onProgress, file, bytes.length, bytes.length);
+    return bytes;
+  }
+  const reader = response.body.getReader();
+  const chunks = [];
+  let loaded = 0;
+  report(onProgress, file, 0, total);
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    chunks.push(value);
+    loaded += value.length;
+    report(onProgress, file, loaded, total);
+  }
+  // A compressed transfer makes Content-Length differ from the bytes read: report the truth.
+  if (total !== loaded) report(onProgress, file, loaded, loaded);
+  if (chunks.length === 1) return chunks[0];
+  const bytes = new Uint8Array(loaded);
+  let at = 0;
+  for (const c of chunks) {
+    bytes.set(c, at);
+    at += c.length;
+  }
+  return bytes;
+}
+
+/** One file from bytes, a Blob/File, a Response, a URL or a URL string. */
+async function readSource(source, file, onProgress) {
+  if (source instanceof Uint8Array) {
+    report(onProgress, file, source.length, source.length);
+    return source;
+  }
+  if (source instanceof ArrayBuffer || ArrayBuffer.isView(source)) {
+    const bytes =
+      source instanceof ArrayBuffer
+        ? new Uint8Array(source)
+        : new Uint8Array(source.buffer, source.byteOffset, source.byteLength);
+    report(onProgress, file, bytes.length, bytes.length);
+    return bytes;
+  }
+  if (typeof Blob !== "undefined" && source instanceof Blob) {
+    report(onProgress, file, 0, source.size);
+    const bytes = new Uint8Array(await source.arrayBuffer());
+    report(onProgress, file, bytes.length, bytes.length);
+    return bytes;
+  }
+  if (typeof Response !== "undefined" && source instanceof Response) {
+    return readResponse(source, file, onProgress);
+  }
+  if (typeof source === "string" || source instanceof URL) {
+    let response;
+    try {
+      response = await fetch(source);
+    } catch (e) {
+      throw new Error(`${file}: cannot fetch ${source}: ${e.message}`);
+    }
+    return readResponse(response, file, onProgress);
+  }
+  throw new Error(
+    `${file}: expected bytes (Uint8Array, ArrayBuffer), a Blob, a Response or a URL, got ${describe(source)}`,
+  );
+}
+
+/** A chat template: its text (a string with `{{` or `{%`), or any source of its bytes. */
+async function readText(source, file, onProgress) {
+  if (typeof source === "string" && /\{[{%]/.test(source)) {
+    return new TextEncoder().encode(source);
+  }
+  return readSource(source, file, onProgress);
+}
+
+/**
+ * Read every file of `Model.load`: returns `{name: Uint8Array}` with `model_name`.
+ * Unknown names are errors that list the valid ones.
+ */
+export async function readModelFiles(files, onProgress) {
+  if (files === null || typeof files !== "object" || Array.isArray(files)) {
+    throw new Error(
+      `Model.load expects an object of files {${Object.keys(FILES).join(", ")}}, got ${describe(files)}`,
+    );
+  }
+  for (const name of Object.keys(files)) {
+    if (!(name in FILES) && name !== "model_name") {
+      throw new Error(`unknown model file \`${name}\`; valid names are: ${Object.keys(FILES).join(", ")}`);
+    }
+  }
+  for (const [name, required] of Object.entries(FILES)) {
+    if (required && files[name] == null) throw new Error(`the model file \`${name}\` is missing`);
+  }
+  const out = {};
+  const reads = Object.keys(FILES)
+    .filter((name) => files[name] != null)
+    .map(async (name) => {
+      const read = name === "chat_template" ? readText : readSource;
+      out[name] = await read(files[name], name, onProgress);
+    });
+  await Promise.all(reads);
+  out.model_name = files.model_name || sourceName(files.model) || "model.onnx";
+  return out;
+}
+
+function sourceName(source) {
+  if (typeof source === "string" || source instanceof URL) {
+    return String(source).split(/[?#]/)[0].split("/").pop();
+  }
+  if (source && typeof source.name === "string") return source.name;
+  return null;
+}
+
+async function tryFetch(url) {
+  try {
+    const response = await fetch(url);
+    if (response.ok) return response;
+    if (response.body) await response.body.cancel();
+    return null;
+  } catch {
+    return null;
+  }
+}
+
+/**
+ * The files of a model folder served under `base` (flat or transformers.js layout):
+ * `onnx/model.onnx` or `model.onnx` (`model_{variant}.onnx` with a variant, or
+ * `decoder_model_merged*.onnx`), its `.data`, `config.json`, `generation_config.json`,
+ * `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`.
+ */
+export async function fetchModelFolder(base, variant, onProgress) {
+  let root = String(base);
+  if (!root.endsWith("/")) root += "/";
+  const suffix = variant && variant !== "fp32" ? `_${variant}` : "";
+  const names = [`model${suffix}.onnx`, `decoder_model_merged${suffix}.onnx`];
+  const candidates = names.flatMap((n) => [`${root}onnx/${n}`, `${root}${n}`]);
+  let model = null;
+  let modelUrl = null;
+  for (const url of candidates) {
+    model = await tryFetch(url);
+    if (model) {
+      modelUrl = url;
+      break;
+    }
+  }
+  if (!model) {
+    throw new Error(`no ONNX model under ${root} (tried ${candidates.join(", ")})`);
+  }
+  const modelName = modelUrl.split("/").pop();
+  const files = { model_name: modelName, model };
+  const optional = {
+    external_data: [`${modelUrl}.data`, `${modelUrl}_data`],
+    generation_config: [`${root}generation_config.json`],
+    tokenizer_config: [`${root}tokenizer_config.json`],
+    chat_template: [`${root}chat_template.jinja`],
+  };
+  const required = { config: `${root}config.json`, tokenizer: `${root}tokenizer.json` };
+  await Promise.all([
+    ...Object.entries(required).map(async ([name, url]) => {
+      const r = await tryFetch(url);
+      if (!r) throw new Error(`${name}: ${url} could not be fetched`);
+      files[name] = r;
+    }),
+    ...Object.entries(optional).map(async ([name, urls]) => {
+      for (const url of urls) {
+        const r = await tryFetch(url);
+        if (r) {
+          files[name] = r;
+          return;
+        }
+      }
+    }),
+  ]);
+  return readModelFiles(files, onProgress);
+}
+
+/** A promise that resolves on a later turn of the event loop (after timers and input). */
+export function yieldToEventLoop() {
+  return new Promise((resolve) => {
+    if (typeof setImmediate === "function") {
+      setImmediate(resolve);
+    } else if (typeof MessageChannel !== "undefined") {
+      const channel = new MessageChannel();
+      channel.port1.onmessage = () => {
+        channel.port1.close();
+        resolve();
+      };
+      channel.port2.postMessage(null);
+    } else {
+      setTimeout(resolve, 0);
+    }
+  });
+}
+
+/** Whether an options object's `signal` is aborted (any object with `aborted`). */
+export function isAborted(signal) {
+  return Boolean(signal && signal.aborted);
+}
+
+/**
+ * The queue between a generation and `stream()` / `readable()`: `options` gets an `on_token`
+ * that fills the queue (calling the caller's too) and a `signal` that also fires when the
+ * consumer stops reading early.
+ */
+export function tokenQueue(options) {
+  const userOnToken = options && options.on_token;
+  const userSignal = options && options.signal;
+  const controller = new AbortController();
+  if (userSignal) {
+    if (userSignal.aborted) controller.abort(userSignal.reason);
+    else userSignal.addEventListener("abort", () => controller.abort(userSignal.reason), { once: true });
+  }
+  const events = [];
+  let waiters = [];
+  let done = false;
+  let failed = false;
+  let failure;
+  const wake = () => {
+    const w = waiters;
+    waiters = [];
+    for (const f of w) f();
+  };
+  const next = async () => {
+    for (;;) {
+      if (events.length) return { value: events.shift(), done: false };
+      if (failed) {
+        failed = false;
+        throw failure;
+      }
+      if (done) return { value: undefined, done: true };
+      await new Promise((r) => waiters.push(r));
+    }
+  };
+  const queueOptions = Object.assign({}, options || {}, {
+    signal: controller.signal,
+    on_token(event) {
+      if (typeof userOnToken === "function") userOnToken(event);
+      events.push(event);
+      wake();
+    },
+  });
+  return {
+    options: queueOptions,
+    attach(promise) {
+      promise.then(
+        () => {
+          done = true;
+          wake();
+        },
+        (e) => {
+          failed = true;
+          failure = e;
+          done = true;
+          wake();
+        },
+      );
+    },
+    iterator() {
+      const it = {
+        next,
+        async return() {
+          controller.abort();
+          done = true;
+          events.length = 0;
+          return { value: undefined, done: true };
+        },
+        [Symbol.asyncIterator]() {
+          return it;
+        },
+      };
+      return it;
+    },
+    readable() {
+      const encoder = new TextEncoder();
+      return new ReadableStream({
+        async pull(c) {
+          for (;;) {
+            const r = await next();
+            if (r.done) {
+              c.close();
+              return;
+            }
+            if (r.value.text) {
+              c.enqueue(encoder.encode(r.value.text));
+              return;
+            }
+          }
+        },
+        cancel() {
+          controller.abort();
+        },
+      });
+    },
+  };
+}

@@ -1,0 +1,34 @@
+// After the wasm build: make pkg/package.json usable from Node as well as from bundlers and
+// browsers (a `main` entry, the snippets folder in `files`), write it from Cargo.toml when
+// wasm-pack did not, and check that the TypeScript declarations are the documented ones.
+import { copyFileSync, existsSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
+
+const at = (p) => new URL(`../${p}`, import.meta.url);
+const cargo = readFileSync(at("Cargo.toml"), "utf8");
+const field = (name) => (cargo.match(new RegExp(`^${name} = "([^"]*)"`, "m")) || [])[1];
+const pkg = existsSync(at("pkg/package.json"))
+  ? JSON.parse(readFileSync(at("pkg/package.json"), "utf8"))
+  : {
+      name: field("name"),
+      version: field("version"),
+      description: field("description"),
+      license: field("license"),
+      type: "module",
+      module: "onnx_generate.js",
+      types: "onnx_generate.d.ts",
+      sideEffects: ["./snippets/*"],
+    };
+pkg.type = "module";
+pkg.main = pkg.main || pkg.module || "onnx_generate.js";
+pkg.types = pkg.types || "onnx_generate.d.ts";
+const shipped = readdirSync(at("pkg")).filter((f) => /^onnx_generate/.test(f));
+pkg.files = [...new Set([...(pkg.files || []), ...shipped, "snippets", "README.md"])];
+pkg.keywords = [...new Set([...(pkg.keywords || []), "onnx", "llm", "wasm", "transformers", "generate"])];
+writeFileSync(at("pkg/package.json"), JSON.stringify(pkg, null, 2) + "\n");
+if (!existsSync(at("pkg/README.md"))) copyFileSync(at("README.md"), at("pkg/README.md"));
+
+const dts = readFileSync(at("pkg/onnx_generate.d.ts"), "utf8");
+for (const name of ["class Model", "interface GenerateOptions", "interface TokenEvent", "interface GenerateResult"]) {
+  if (!dts.includes(name)) throw new Error(`pkg/onnx_generate.d.ts lacks ${name}`);
+}
+if (!existsSync(at("pkg/snippets"))) throw new Error("pkg/snippets is missing");

@@ -1,0 +1,43 @@
+#!/bin/sh
+# Install what the wasm build and tests need; idempotent and quick when everything is there.
+#   rustup target wasm32-unknown-unknown, wasm-bindgen-cli (the version of Cargo.lock),
+#   wasm-pack, Debian's chromium + chromium-driver, npm dev dependencies (typescript,
+#   playwright-core).
+set -eu
+cd "$(dirname "$0")/.."
+
+if ! rustup target list --installed | grep -qx wasm32-unknown-unknown; then
+  rustup target add wasm32-unknown-unknown
+fi
+
+# wasm-bindgen's CLI must match the wasm-bindgen crate of Cargo.lock exactly.
+want=$(awk '/^name = "wasm-bindgen"$/ { getline; gsub(/version = |"/, ""); print; exit }' Cargo.lock)
+have=$(wasm-bindgen --version 2>/dev/null | awk '{print $2}' || true)
+if [ "$have" != "$want" ]; then
+  echo "setup-wasm: installing wasm-bindgen-cli $want (found '${have:-none}')"
+  # Without --locked: with it a pinned dependency is missing.
+  cargo install wasm-bindgen-cli --version "$want"
+fi
+
+if ! command -v wasm-pack >/dev/null 2>&1; then
+  echo "setup-wasm: installing wasm-pack"
+  cargo install wasm-pack --locked
+fi
+
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  echo "setup-wasm: installing chromium and chromium-driver"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update
+  $SUDO apt-get install -y chromium chromium-driver
+fi
+
+if ! command -v node >/dev/null 2>&1; then
+  echo "setup-wasm: node (>= 20) and npm are required" >&2
+  exit 1
+fi
+
+if [ ! -d node_modules/typescript ] || [ ! -d node_modules/playwright-core ] ||
+  [ package-lock.json -nt node_modules/.package-lock.json ]; then
+  npm ci --no-audit --no-fund
+fi
+echo "setup-wasm: ok"

@@ -1,0 +1,76 @@
+#!/bin/sh
+# The wasm test sequence (CI calls it from .ci/run):
+#   1. the release package pkg/ (+simd128; scripts/build-wasm.sh);
+#   2. the JavaScript API tests (tests/wasm_api) in Node and in headless Chromium, each run
+#      failing if it executed no test; built in release with the same flags, so they reuse the
+#      package's compiled dependencies;
+#   3. the package's API in Node (js-tests/api.test.mjs: streams, abort, errors, fromUrl);
+#   4. tsc --noEmit over a typed example (js-tests/typed-example.ts);
+#   5. npm pack, install of the tarball into an empty folder, and the README's Node example;
+#   6. the demo page end to end in Chromium (js-tests/e2e.mjs), with a screenshot in
+#      target/e2e/demo.png.
+# SKIP_BUILD=1 reuses an existing pkg/.
+set -eu
+cd "$(dirname "$0")/.."
+root=$(pwd)
+sh scripts/setup-wasm.sh
+logs=target/wasm-test-logs
+mkdir -p "$logs"
+
+# Runs the wasm tests of one test target and fails unless at least one test passed.
+run_wasm_tests() {
+  name=$1
+  log="$logs/$name.log"
+  shift
+  if ! env "$@" CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
+    CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128" \
+    cargo test --release --target wasm32-unknown-unknown --test "$name" >"$log" 2>&1; then
+    tail -n 60 "$log"
+    echo "test-wasm: $name FAILED (log: $log)" >&2
+    exit 1
+  fi
+  passed=$(sed -n 's/.*test result: ok\. \([0-9][0-9]*\) passed.*/\1/p' "$log" | tail -n 1)
+  if [ -z "$passed" ] || [ "$passed" -eq 0 ]; then
+    tail -n 30 "$log"
+    echo "test-wasm: $name executed no test: failing (log: $log)" >&2
+    exit 1
+  fi
+  echo "test-wasm: $name: $passed tests passed"
+}
+
+if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f pkg/onnx_generate_bg.wasm ]; then
+  sh scripts/build-wasm.sh
+fi
+
+run_wasm_tests wasm_node WASM_BINDGEN_TEST_TIMEOUT=300
+run_wasm_tests wasm_browser WASM_BINDGEN_TEST_TIMEOUT=300 CHROMEDRIVER="$(command -v chromedriver)"
+
+node --test js-tests/api.test.mjs
+echo "test-wasm: package API tests in Node passed"
+
+node_modules/.bin/tsc --noEmit -p js-tests
+echo "test-wasm: tsc --noEmit over js-tests/typed-example.ts passed"
+
+# npm pack + install into an empty folder + the README's Node example.
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+(cd pkg && npm pack --silent --pack-destination "$tmp" >/dev/null)
+tarball=$(ls "$tmp"/*.tgz)
+mkdir "$tmp/app"
+(cd "$tmp/app" && echo '{"type":"module","private":true}' >package.json &&
+  npm install --no-audit --no-fund --silent "$tarball")
+awk '/<!-- node-example:start -->/ {on=1; next} /<!-- node-example:end -->/ {on=0} on && !/^```/' \
+  README.md >"$tmp/app/example.mjs"
+lines=$(grep -c . "$tmp/app/example.mjs")
+echo "test-wasm: README Node example has $lines lines"
+out=$(cd "$tmp/app" && node example.mjs "$root/tests/fixtures/models/llama")
+echo "$out"
+expected="length: 411 403 197 128 502 495 348 1 89 233 171 297"
+if ! echo "$out" | grep -qx "$expected"; then
+  echo "test-wasm: the README example printed no '$expected'" >&2
+  exit 1
+fi
+echo "test-wasm: npm pack + install + README example passed"
+
+node js-tests/e2e.mjs target/e2e/demo.png
+echo "test-wasm: all passed"

@@ -1,0 +1,419 @@
+//! The JavaScript API in real runtimes, shared by `tests/wasm_node.rs` (Node) and
+//! `tests/wasm_browser.rs` (headless Chromium, `run_in_browser`); scripts/test-wasm.sh runs
+//! both and fails when either runs no test. Golden greedy cases of `llama` and `gpt2` go through
+//! `Model.load` / `model.generate` with JavaScript values, checking token ids and the stream of
+//! `on_token` events; then streaming, abort, errors and recovery.
+use js_sys::{Array, Function, Object, Promise, Reflect, Uint8Array, JSON};
+use onnx_generate::wasm::{load_model, JsModel};
+use serde_json::Value;
+use wasm_bindgen::prelude::*;
+use wasm_bindgen_futures::JsFuture;
+use wasm_bindgen_test::*;
+
+struct Fixture {
+    model: &'static [u8],
+    config: &'static [u8],
+    generation_config: &'static [u8],
+    tokenizer: &'static [u8],
+    golden: &'static str,
+}
+
+macro_rules! fixture {
+    ($name:literal) => {
+        Fixture {
+            model: include_bytes!(concat!("../fixtures/models/", $name, "/model.onnx")),
+            config: include_bytes!(concat!("../fixtures/models/", $name, "/config.json")),
+            generation_config: include_bytes!(concat!(
+                "../fixtures/models/",
+                $name,
+                "/generation_config.json"
+            )),
+            tokenizer: include_bytes!(concat!("../fixtures/models/", $name, "/tokenizer.json")),
+            golden: include_str!(concat!("../fixtures/golden/", $name, ".json")),
+        }
+    };
+}
+
+fn llama() -> Fixture {
+    fixture!("llama")
+}
+
+fn gpt2() -> Fixture {
+    fixture!("gpt2")
+}
+
+fn js(v: &Value) -> JsValue {
+    JSON::parse(&v.to_string()).unwrap()
+}
+
+fn get(o: &JsValue, k: &str) -> JsValue {
+    Reflect::get(o, &k.into()).unwrap()
+}
+
+fn set(o: &JsValue, k: &str, v: &JsValue) {
+    Reflect::set(o, &k.into(), v).unwrap();
+}
+
+fn bytes(b: &[u8]) -> JsValue {
+    Uint8Array::from(b).into()
+}
+
+fn files(f: &Fixture) -> JsValue {
+    let o: JsValue = Object::new().into();
+    set(&o, "model", &bytes(f.model));
+    set(&o, "config", &bytes(f.config));
+    set(&o, "generation_config", &bytes(f.generation_config));
+    set(&o, "tokenizer", &bytes(f.tokenizer));
+    o
+}
+
+async fn load(f: &Fixture) -> JsModel {
+    load_model(files(f), JsValue::UNDEFINED).await.unwrap()
+}
+
+async fn await_promise(p: Promise) -> Result<JsValue, JsValue> {
+    JsFuture::from(p).await
+}
+
+fn ids_of(v: &JsValue) -> Vec<u32> {
+    Array::from(v)
+        .iter()
+        .map(|x| x.as_f64().unwrap() as u32)
+        .collect()
+}
+
+fn error_message(e: &JsValue) -> String {
+    assert!(e.is_instance_of::<js_sys::Error>(), "not an Error: {e:?}");
+    get(e, "message").as_string().unwrap()
+}
+
+/// Collects `on_token` events into a JS array.
+fn collector() -> (Array, Function) {
+    let events = Array::new();
+    let push = Function::new_with_args("event", "this.push(event)").bind(&events);
+    (events, push)
+}
+
+/// Checks one golden case's events and result: the ids, order, count, `finished` on the last
+/// event of each row only, and deltas that concatenate to the text.
+fn check_events(case_id: &str, events: &Array, result: &JsValue, expected: &[Value]) {
+    let sequences = Array::from(&get(result, "sequences"));
+    assert_eq!(sequences.length() as usize, expected.len(), "{case_id}");
+    for (row, exp) in expected.iter().enumerate() {
+        let exp = &exp[0];
+        let seq = Array::from(&sequences.get(row as u32)).get(0);
+        let want: Vec<u32> = serde_json::from_value(exp["new_token_ids"].clone()).unwrap();
+        assert_eq!(ids_of(&get(&seq, "token_ids")), want, "{case_id} row {row}");
+        let reason = exp["finish_reason"].as_str().unwrap();
+        assert_eq!(
+            get(&seq, "finish_reason").as_string().unwrap(),
+            reason,
+            "{case_id}"
+        );
+        let row_events: Vec<JsValue> = events
+            .iter()
+            .filter(|e| get(e, "row").as_f64() == Some(row as f64))
+            .collect();
+        let count = want.len() + usize::from(reason == "eos");
+        assert_eq!(row_events.len(), count, "{case_id} row {row}: event count");
+        let mut text = String::new();
+        for (i, e) in row_events.iter().enumerate() {
+            let last = i + 1 == row_events.len();
+            assert_eq!(
+                get(e, "finished").as_bool(),
+                Some(last),
+                "{case_id} event {i}"
+            );
+            if i < want.len() {
+                assert_eq!(
+                    get(e, "token_id").as_f64(),
+                    Some(want[i] as f64),
+                    "{case_id}"
+                );
+            }
+            text.push_str(&get(e, "text").as_string().unwrap());
+        }
+        if let Some(last) = row_events.last() {
+            assert_eq!(get(last, "finish_reason").as_string().unwrap(), reason);
+        }
+        assert_eq!(
+            text,
+            get(&seq, "text").as_string().unwrap(),
+            "{case_id}: deltas"
+        );
+    }
+}
+
+/// Runs the `plain_greedy` cases of a golden file through `model.generate` with token ids.
+async fn golden_greedy(f: Fixture) {
+    let model = load(&f).await;
+    let golden: Value = serde_json::from_str(f.golden).unwrap();
+    let mut ran = 0;
+    for case in golden["cases"].as_array().unwrap() {
+        let tags = case["tags"].as_array().unwrap();
+        if !tags.iter().any(|t| t == "plain_greedy") || case["kind"] != "generate" {
+            continue;
+        }
+        let id = case["id"].as_str().unwrap();
+        let prompts = case["prompts"].as_array().unwrap();
+        let input = if prompts.len() == 1 {
+            js(&prompts[0]["ids"])
+        } else {
+            js(&Value::Array(
+                prompts.iter().map(|p| p["ids"].clone()).collect(),
+            ))
+        };
+        let options = js(&case["generation_kwargs"]);
+        let (events, push) = collector();
+        set(&options, "on_token", &push);
+        let result = await_promise(model.generate(input, options)).await;
+        let result = match result {
+            Ok(r) => r,
+            Err(e) => panic!("{id}: {}", error_message(&e)),
+        };
+        let expected = case["expected"].as_array().unwrap();
+        check_events(id, &events, &result, expected);
+        ran += 1;
+    }
+    assert!(ran >= 3, "only {ran} golden cases ran");
+}
+
+#[wasm_bindgen_test]
+async fn llama_golden_greedy_through_js_api() {
+    golden_greedy(llama()).await;
+}
+
+#[wasm_bindgen_test]
+async fn gpt2_golden_greedy_through_js_api() {
+    golden_greedy(gpt2()).await;
+}
+
+#[wasm_bindgen_test]
+async fn text_input_and_load_progress() {
+    let f = llama();
+    let progress = Array::new();
+    let push = Function::new_with_args("p", "this.push(p)").bind(&progress);
+    let options: JsValue = Object::new().into();
+    set(&options, "on_progress", &push);
+    let model = load_model(files(&f), options).await.unwrap();
+    // Every file reported, the last report of each complete.
+    for file in ["model", "config", "generation_config", "tokenizer"] {
+        let last = progress
+            .iter()
+            .filter(|p| get(p, "file").as_string().as_deref() == Some(file))
+            .last()
+            .unwrap_or_else(|| panic!("no progress for {file}"));
+        assert_eq!(get(&last, "loaded").as_f64(), get(&last, "total").as_f64());
+    }
+    // The golden case greedy_p1 from text: "hello" encodes to its ids.
+    let result = await_promise(model.generate(
+        "hello".into(),
+        js(&serde_json::json!({"max_new_tokens": 12})),
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        ids_of(&get(&result, "token_ids")),
+        [411, 403, 197, 128, 502, 495, 348, 1, 89, 233, 171, 297]
+    );
+    assert_eq!(get(&result, "finish_reason").as_string().unwrap(), "length");
+    assert_eq!(model.encode("hello", None).unwrap(), [1, 355, 459, 316]);
+}
+
+#[wasm_bindgen_test]
+async fn chat_input_uses_the_template() {
+    let f = llama();
+    let fs = files(&f);
+    set(
+        &fs,
+        "chat_template",
+        &"{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}".into(),
+    );
+    let model = load_model(fs, JsValue::UNDEFINED).await.unwrap();
+    let messages = js(&serde_json::json!([{"role": "user", "content": "hello"}]));
+    let text = model.apply_chat_template(messages.clone(), None).unwrap();
+    assert_eq!(text, "user: hello\nassistant:");
+    let opts = serde_json::json!({"max_new_tokens": 5});
+    let chat = await_promise(model.generate(messages, js(&opts)))
+        .await
+        .unwrap();
+    let ids = model.encode(&text, Some(false)).unwrap();
+    let direct = await_promise(model.generate(js(&serde_json::json!(ids)), js(&opts)))
+        .await
+        .unwrap();
+    assert_eq!(
+        ids_of(&get(&chat, "token_ids")),
+        ids_of(&get(&direct, "token_ids"))
+    );
+    // Without a template, chat input is an error naming it.
+    let plain = load(&f).await;
+    let e = await_promise(plain.generate(
+        js(&serde_json::json!([{"role": "user", "content": "x"}])),
+        JsValue::UNDEFINED,
+    ))
+    .await
+    .unwrap_err();
+    assert!(error_message(&e).contains("chat template"));
+}
+
+#[wasm_bindgen_test]
+async fn abort_resolves_with_abort_and_the_model_recovers() {
+    let f = llama();
+    let model = load(&f).await;
+    let controller = web_abort_controller();
+    let signal = get(&controller, "signal");
+    // Abort from the first token event: generation stops after that step.
+    let abort = Function::new_with_args("e", "if (e.row === 0) this.abort()").bind(&controller);
+    let options = js(&serde_json::json!({"max_new_tokens": 12}));
+    set(&options, "signal", &signal);
+    set(&options, "on_token", &abort);
+    let r = await_promise(model.generate(js(&serde_json::json!([1, 355, 459, 316])), options))
+        .await
+        .unwrap();
+    assert_eq!(get(&r, "finish_reason").as_string().unwrap(), "abort");
+    assert_eq!(ids_of(&get(&r, "token_ids")), [411]);
+    // Then the same model generates the golden tokens.
+    let r = await_promise(model.generate(
+        js(&serde_json::json!([1, 355, 459, 316])),
+        js(&serde_json::json!({"max_new_tokens": 12})),
+    ))
+    .await
+    .unwrap();
+    assert_eq!(ids_of(&get(&r, "token_ids"))[..3], [411, 403, 197]);
+}
+
+fn web_abort_controller() -> JsValue {
+    let ctor = get(&js_sys::global(), "AbortController");
+    Reflect::construct(ctor.unchecked_ref::<Function>(), &Array::new()).unwrap()
+}
+
+#[wasm_bindgen_test]
+async fn bad_input_rejects_with_named_errors_and_the_model_recovers() {
+    let f = llama();
+    let model = load(&f).await;
+    let prompt = js(&serde_json::json!([1, 355, 459, 316]));
+    let cases: Vec<(JsValue, JsValue, &str)> = vec![
+        (
+            prompt.clone(),
+            js(&serde_json::json!({"max_new_token": 3})),
+            "unknown option `max_new_token`; valid options are:",
+        ),
+        (
+            prompt.clone(),
+            js(&serde_json::json!({"max_new_tokens": -1})),
+            "max_new_tokens",
+        ),
+        (
+            prompt.clone(),
+            js(&serde_json::json!({"max_new_tokens": "many"})),
+            "max_new_tokens",
+        ),
+        (
+            prompt.clone(),
+            js(&serde_json::json!({"temperature": true})),
+            "temperature",
+        ),
+        (
+            js(&serde_json::json!([1, 9999])),
+            JsValue::UNDEFINED,
+            "9999",
+        ),
+        (
+            js(&serde_json::json!([1, -2])),
+            JsValue::UNDEFINED,
+            "position 1",
+        ),
+        (JsValue::from_f64(3.0), JsValue::UNDEFINED, "input must be"),
+        (js(&serde_json::json!([])), JsValue::UNDEFINED, "empty"),
+        (
+            prompt.clone(),
+            JsValue::from_str("fast"),
+            "options must be an object",
+        ),
+    ];
+    for (input, options, needle) in cases {
+        let e = await_promise(model.generate(input, options))
+            .await
+            .unwrap_err();
+        let msg = error_message(&e);
+        assert!(msg.contains(needle), "{msg:?} should name {needle:?}");
+    }
+    // A throwing on_token rejects with its exception.
+    let options = js(&serde_json::json!({"max_new_tokens": 3}));
+    set(
+        &options,
+        "on_token",
+        &Function::new_with_args("e", "throw new Error('callback broke')"),
+    );
+    let e = await_promise(model.generate(prompt.clone(), options))
+        .await
+        .unwrap_err();
+    assert!(error_message(&e).contains("callback broke"));
+    // The model still generates correctly.
+    let r = await_promise(model.generate(prompt, js(&serde_json::json!({"max_new_tokens": 12}))))
+        .await
+        .unwrap();
+    assert_eq!(
+        ids_of(&get(&r, "token_ids")),
+        [411, 403, 197, 128, 502, 495, 348, 1, 89, 233, 171, 297]
+    );
+}
+
+#[wasm_bindgen_test]
+async fn bad_model_files_reject_with_named_errors() {
+    let f = llama();
+    let wrong = files(&f);
+    set(&wrong, "model", &bytes(b"not an onnx file"));
+    let e = load_model(wrong, JsValue::UNDEFINED).await.err().unwrap();
+    assert!(
+        error_message(&e).contains("model.onnx"),
+        "{}",
+        error_message(&e)
+    );
+    let missing = files(&f);
+    Reflect::delete_property(missing.unchecked_ref::<Object>(), &"tokenizer".into()).unwrap();
+    let e = load_model(missing, JsValue::UNDEFINED).await.err().unwrap();
+    assert!(error_message(&e).contains("tokenizer"));
+    let unknown = files(&f);
+    set(&unknown, "weights", &bytes(b"x"));
+    let e = load_model(unknown, JsValue::UNDEFINED).await.err().unwrap();
+    assert!(error_message(&e).contains("unknown model file `weights`"));
+    let typo = files(&f);
+    set(&typo, "config", &JsValue::from_f64(4.0));
+    let e = load_model(typo, JsValue::UNDEFINED).await.err().unwrap();
+    assert!(error_message(&e).contains("config"));
+    // The tokenizer of another model: a vocabulary that does not fit is refused.
+    let t5 = files(&f);
+    set(
+        &t5,
+        "tokenizer",
+        &bytes(include_bytes!("../fixtures/models/t5/tokenizer.json")),
+    );
+    if let Err(e) = load_model(t5, JsValue::UNDEFINED).await {
+        assert!(error_message(&e).contains("tokenizer"));
+    }
+}
+
+#[wasm_bindgen_test]
+async fn stream_iterates_the_events() {
+    let f = llama();
+    let model = load(&f).await;
+    let it = model.stream(
+        js(&serde_json::json!([1, 355, 459, 316])),
+        js(&serde_json::json!({"max_new_tokens": 12})),
+    );
+    let next: Function = get(&it, "next").dyn_into().unwrap();
+    let mut ids = vec![];
+    loop {
+        let step: Promise = next.call0(&it).unwrap().dyn_into().unwrap();
+        let r = JsFuture::from(step).await.unwrap();
+        if get(&r, "done").as_bool() == Some(true) {
+            break;
+        }
+        ids.push(get(&get(&r, "value"), "token_id").as_f64().unwrap() as u32);
+    }
+    assert_eq!(
+        ids,
+        [411, 403, 197, 128, 502, 495, 348, 1, 89, 233, 171, 297]
+    );
+}
