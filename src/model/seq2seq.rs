@@ -17,7 +17,7 @@ use crate::decoder::{DecoderState, Logits};
 use crate::error::{backend, Error, Result};
 use crate::model::onnx::specialize_bool_input;
 use crate::model::signature::{Dtype, Signature, ONNX_INT32};
-use crate::model::tract_decoder::{int_tensor, last_logits, parse_graph};
+use crate::model::tract_decoder::{int_tensor, last_logits, output_names, parse_graph};
 
 /// What a request gives the encoder.
 #[derive(Debug, Clone, PartialEq)]
@@ -326,20 +326,6 @@ impl Seq2Seq {
         plans.insert((batch, first as u8), plan.clone());
         Ok(plan)
     }
-}
-
-fn output_names(model: &InferenceModel) -> Result<Vec<String>> {
-    Ok(model
-        .output_outlets()
-        .map_err(backend)?
-        .iter()
-        .map(|o| {
-            model
-                .outlet_label(*o)
-                .unwrap_or(&model.node(o.node).name)
-                .to_owned()
-        })
-        .collect())
 }
 
 /// `past_key_values.3.decoder.key` -> `past_key_values.3.encoder.key`.

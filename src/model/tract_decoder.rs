@@ -198,17 +198,7 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
         model.set_input_fact(ix, fact).map_err(backend)?;
         roles.push(role);
     }
-    let output_names: Vec<String> = model
-        .output_outlets()
-        .map_err(backend)?
-        .iter()
-        .map(|o| {
-            model
-                .outlet_label(*o)
-                .unwrap_or(&model.node(o.node).name)
-                .to_owned()
-        })
-        .collect();
+    let output_names = output_names(&model)?;
     let out = |name: &str| {
         output_names.iter().position(|n| n == name).ok_or_else(|| {
             Error::Model(format!(
@@ -235,6 +225,21 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
         logits,
         presents,
     })
+}
+
+/// The names of a graph's outputs, in order.
+pub(crate) fn output_names(model: &InferenceModel) -> Result<Vec<String>> {
+    Ok(model
+        .output_outlets()
+        .map_err(backend)?
+        .iter()
+        .map(|o| {
+            model
+                .outlet_label(*o)
+                .unwrap_or(&model.node(o.node).name)
+                .to_owned()
+        })
+        .collect())
 }
 
 /// A tract error, with the list of non-standard ops when the graph has any.
