@@ -2,7 +2,7 @@
 # Install what the wasm build and tests need; idempotent and quick when everything is there.
 #   rustup target wasm32-unknown-unknown, wasm-bindgen-cli (the version of Cargo.lock),
 #   wasm-pack, Debian's chromium + chromium-driver, npm dev dependencies (typescript,
-#   playwright-core).
+#   playwright-core, and deno and wrangler (with workerd) for the edge examples).
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -37,6 +37,7 @@ if ! command -v node >/dev/null 2>&1; then
 fi
 
 if [ ! -d node_modules/typescript ] || [ ! -d node_modules/playwright-core ] ||
+  [ ! -d node_modules/deno ] || [ ! -d node_modules/wrangler ] ||
   [ package-lock.json -nt node_modules/.package-lock.json ]; then
   npm ci --no-audit --no-fund
 fi

@@ -8,7 +8,10 @@
 #   4. tsc --noEmit over a typed example (js-tests/typed-example.ts);
 #   5. npm pack, install of the tarball into an empty folder, and the README's Node example;
 #   6. the demo page end to end in Chromium (js-tests/e2e.mjs), with a screenshot in
-#      target/e2e/demo.png.
+#      target/e2e/demo.png;
+#   7. the edge examples (js-tests/edge.test.mjs): the Cloudflare Worker under `wrangler dev` and
+#      the Deno server on 127.0.0.1, over HTTP (golden tokens, streaming, abort, bad requests),
+#      failing unless every test ran; then a short load test of both (scripts/load-test-edge.mjs).
 # SKIP_BUILD=1 reuses an existing pkg/.
 set -eu
 cd "$(dirname "$0")/.."
@@ -73,4 +76,22 @@ fi
 echo "test-wasm: npm pack + install + README example passed"
 
 node js-tests/e2e.mjs target/e2e/demo.png
+
+export WRANGLER_SEND_METRICS=false
+edge_log="$logs/edge.log"
+if ! node --test --test-reporter=tap js-tests/edge.test.mjs >"$edge_log" 2>&1; then
+  grep -v '^ *#\|^ *ok ' "$edge_log" | tail -n 80
+  echo "test-wasm: edge examples FAILED (log: $edge_log)" >&2
+  exit 1
+fi
+passed=$(sed -n 's/^# pass \([0-9][0-9]*\)$/\1/p' "$edge_log")
+expected_edge=$(grep -c '^    test(' js-tests/edge.test.mjs)
+expected_edge=$((expected_edge * 2))
+if [ "${passed:-0}" -ne "$expected_edge" ]; then
+  tail -n 30 "$edge_log"
+  echo "test-wasm: edge examples: ${passed:-0} tests passed, expected $expected_edge (log: $edge_log)" >&2
+  exit 1
+fi
+echo "test-wasm: edge examples (Worker under wrangler dev, Deno): $passed tests passed"
+node scripts/load-test-edge.mjs --requests 48 --concurrency 8
 echo "test-wasm: all passed"
