@@ -50,6 +50,10 @@ function start(name, command, args, { cwd, env, ready, timeoutMs }) {
       }, 5000);
       await gone;
       clearTimeout(timer);
+      // Whatever the server started in its group (wrangler's workerd and esbuild) goes too.
+      try {
+        process.kill(-child.pid, "SIGKILL");
+      } catch {}
     },
   };
   return new Promise((resolve, reject) => {
