@@ -8,7 +8,8 @@
 #   4. tsc --noEmit over a typed example (js-tests/typed-example.ts);
 #   5. npm pack, install of the tarball into an empty folder, and the README's Node example;
 #   6. the demo page end to end in Chromium (js-tests/e2e.mjs), with a screenshot in
-#      target/e2e/demo.png.
+#      target/e2e/demo.png;
+#   7. the benchmark harness (bench/) on the tiny fixture, a smoke run of both engines.
 # SKIP_BUILD=1 reuses an existing pkg/.
 set -eu
 cd "$(dirname "$0")/.."
@@ -73,4 +74,13 @@ fi
 echo "test-wasm: npm pack + install + README example passed"
 
 node js-tests/e2e.mjs target/e2e/demo.png
+
+# The benchmark harness on the tiny fixture: both engines in Node and Chromium; it fails if a
+# run fails or if onnx-generate and transformers.js disagree on the greedy tokens.
+if ! node bench/bench.mjs --quick --models fixture --tokens 16 >"$logs/bench-smoke.log" 2>&1; then
+  tail -n 40 "$logs/bench-smoke.log"
+  echo "test-wasm: benchmark smoke run FAILED (log: $logs/bench-smoke.log)" >&2
+  exit 1
+fi
+echo "test-wasm: benchmark smoke run (bench/, tiny fixture) passed"
 echo "test-wasm: all passed"
