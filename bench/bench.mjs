@@ -46,7 +46,7 @@ const options = {
   threads: list(opt("threads", quick ? "1" : "1,2")).map(Number),
   reps: Number(opt("reps", quick ? 1 : 2)),
   tokens: Number(opt("tokens", flag("batch") ? 16 : 64)),
-  budgetMs: Number(opt("budget", quick ? 60 : 240)) * 1000,
+  budgetMs: Number(opt("budget", quick ? 30 : 240)) * 1000,
   out: opt("out", null),
   batch: flag("batch") ? list(opt("batch", "1,4,8")).map(Number) : [],
 };

@@ -82,7 +82,7 @@ export async function runOnnxGenerate({ load, input, newTokens, budgetMs = Infin
 }
 
 /**
- * transformers.js: `tjs` is the imported module (its onnxruntime-web backend already set up by
+ * transformers.js (stopped after `budgetMs` like onnx-generate): `tjs` is the imported module (its onnxruntime-web backend already set up by
  * the caller), `modelId` a folder under `env.localModelPath`, `dtype` its file suffix
  * (fp32, fp16, q4, q8). `sessionOptions` go to from_pretrained.
  */
@@ -95,6 +95,7 @@ export async function runTransformersJs({
   input,
   chatTemplate,
   newTokens,
+  budgetMs = Infinity,
 }) {
   const t0 = now();
   const tokenizer = await tjs.AutoTokenizer.from_pretrained(modelId);
@@ -107,10 +108,14 @@ export async function runTransformersJs({
 
   const times = [];
   let sawPrompt = false;
+  const budget = new tjs.InterruptableStoppingCriteria();
   // transformers.js calls put() with the prompt first, then with each new token.
   class Timer extends tjs.BaseStreamer {
     put() {
-      if (sawPrompt) times.push(now());
+      if (sawPrompt) {
+        times.push(now());
+        if (now() - startedAt > budgetMs) budget.interrupt();
+      }
       sawPrompt = true;
     }
     end() {}
@@ -124,7 +129,12 @@ export async function runTransformersJs({
           add_generation_prompt: true,
           return_dict: true,
         });
-  const output = await model.generate({ ...inputs, ...greedy(newTokens), streamer: new Timer() });
+  const output = await model.generate({
+    ...inputs,
+    ...greedy(newTokens),
+    streamer: new Timer(),
+    stopping_criteria: [budget],
+  });
   const promptIds = Array.from(inputs.input_ids.data, Number);
   const tokenIds = output.tolist()[0].slice(promptIds.length).map(Number);
   const text = tokenizer.decode(tokenIds, { skip_special_tokens: true });

@@ -56,6 +56,7 @@ async function transformersJs() {
     input: spec.input,
     chatTemplate: spec.chatTemplate,
     newTokens: spec.newTokens,
+    budgetMs: spec.budgetMs,
   });
 }
 

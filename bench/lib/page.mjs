@@ -39,6 +39,7 @@ async function transformersJs(spec) {
     input: spec.input,
     chatTemplate: spec.chatTemplate,
     newTokens: spec.newTokens,
+    budgetMs: spec.budgetMs,
   });
 }
 
