@@ -337,6 +337,8 @@ if (options.out) {
   // npm run starts scripts in bench/: a relative --out is relative to where npm was called.
   const file = resolve(process.env.INIT_CWD || process.cwd(), options.out);
   writeFileSync(file, markdown + "\n");
+  // The raw figures of every run, next to the table.
+  writeFileSync(file.replace(/(\.md)?$/, ".json"), JSON.stringify({ machine, options, bandwidth, sizes, runs }, null, 1) + "\n");
   log(`bench: results written to ${file}`);
 }
 if (problems.length) {

@@ -122,9 +122,11 @@ export function report({ machine, options, models, runs, bandwidth, sizes }) {
         if (tj.error) continue;
         texts.push({ env, model: model.name, engine: "transformers.js", threads: t, ...tj });
         if (og.error) continue;
-        const diff = firstDifference(og.token_ids, tj.token_ids);
+        // A run stopped by the time budget made fewer tokens: compare the tokens both made.
+        const n = Math.min(og.token_ids.length, tj.token_ids.length);
+        const diff = firstDifference(og.token_ids.slice(0, n), tj.token_ids.slice(0, n));
         const promptDiff = firstDifference(og.prompt_ids, tj.prompt_ids);
-        let same = diff < 0 ? "same tokens" : `tokens differ from #${diff + 1}`;
+        let same = diff >= 0 ? `tokens differ from #${diff + 1}` : n < options.tokens ? `same ${n} first tokens` : "same tokens";
         if (promptDiff >= 0) same += `; PROMPT IDS DIFFER at ${promptDiff}`;
         if ((diff >= 0 && MUST_AGREE.has(model.name)) || promptDiff >= 0) {
           same = `**MISMATCH**: ${same}`;
