@@ -259,7 +259,8 @@ try {
   if (options.envs.includes("chromium")) await startServer();
   for (const env of options.envs) {
     // Bandwidth before and after the runs of this env: the bound uses the better of the two.
-    bandwidth[env] = await measureAll(env);
+    // (--batch reports no bound: it skips the bandwidth.)
+    bandwidth[env] = options.batch.length ? {} : await measureAll(env);
     for (const model of models) {
       if (options.batch.length) {
         // Batches of rows (onnx-generate only), instead of the side-by-side comparison.
@@ -286,8 +287,8 @@ try {
         }
       }
     }
-    const after = await measureAll(env);
-    for (const t of bwThreads) {
+    const after = options.batch.length ? {} : await measureAll(env);
+    for (const t of Object.keys(after)) {
       const b = bandwidth[env][t];
       b.gbps_end = after[t].gbps;
       b.gbps = Math.max(b.gbps, after[t].gbps);

@@ -1,6 +1,8 @@
 // The markdown report of a benchmark run: one table of figures with a ratio row per
 // transformers.js configuration, the generated texts, memory bandwidth, and sizes.
 
+import { MESSAGES, TEXT_PROMPT } from "./models.mjs";
+
 const MB = 2 ** 20;
 // fp32 models: the two engines compute the same function, so greedy tokens must be equal.
 const MUST_AGREE = new Set(["fp32", "fixture"]);
@@ -64,7 +66,11 @@ export function report({ machine, options, models, runs, bandwidth, sizes }) {
   );
   out();
   out(
-    `Same ONNX files, same chat prompt ("${"What is the capital of France?"}" with the template's system prompt), ` +
+    `Same ONNX files, same prompt (${
+      models.every((m) => m.chatTemplate)
+        ? `the chat prompt "${MESSAGES[0].content}" with the template's system prompt`
+        : `"${TEXT_PROMPT}" for models without a chat template, else the chat prompt "${MESSAGES[0].content}"`
+    }), ` +
       `greedy, exactly ${options.tokens} new tokens (end-of-sequence disabled with min_new_tokens); ` +
       `${options.reps} repetition(s) per configuration, run A B A B, medians shown. ` +
       `onnx-generate is single-threaded (no threads build yet): it always runs on 1 thread, and its ratios ` +
