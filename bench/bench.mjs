@@ -68,6 +68,7 @@ const realModels = resolve(process.env.ONNX_GENERATE_REAL_MODELS || join(repo, "
 const layoutRoot = mkdtempSync(join(tmpdir(), "onnx-generate-bench-"));
 const cleanup = () => rmSync(layoutRoot, { recursive: true, force: true });
 process.on("exit", cleanup);
+for (const signal of ["SIGINT", "SIGTERM"]) process.on(signal, () => process.exit(130));
 // A model of the default list whose files are missing is skipped with a note (genai_int4 is
 // only built with GENAI=1); one named with --models must be there.
 const skipped = [];
