@@ -24,8 +24,11 @@ const TYPES = {
   ".jinja": "text/plain; charset=utf-8",
 };
 
-/** Serve `mounts` ({url prefix: folder}) on 127.0.0.1:port; resolves with the http server. */
-export function serve({ port = 8080, mounts }) {
+/**
+ * Serve `mounts` ({url prefix: folder}) on 127.0.0.1:port, adding `headers` to every file
+ * response (the benchmark adds COOP/COEP for wasm threads); resolves with the http server.
+ */
+export function serve({ port = 8080, mounts, headers = {} }) {
   const entries = Object.entries(mounts).sort((a, b) => b[0].length - a[0].length);
   const server = createServer((req, res) => {
     const path = decodeURIComponent(new URL(req.url, "http://127.0.0.1").pathname);
@@ -48,6 +51,7 @@ export function serve({ port = 8080, mounts }) {
       "content-type": TYPES[extname(file)] || "application/octet-stream",
       "content-length": stat.size,
       "cache-control": "no-cache",
+      ...headers,
     });
     if (req.method === "HEAD") return res.end();
     createReadStream(file).pipe(res);

@@ -2,7 +2,8 @@
 # Install what the wasm build and tests need; idempotent and quick when everything is there.
 #   rustup target wasm32-unknown-unknown, wasm-bindgen-cli (the version of Cargo.lock),
 #   wasm-pack, Debian's chromium + chromium-driver, npm dev dependencies (typescript,
-#   playwright-core, and deno and wrangler (with workerd) for the edge examples).
+#   playwright-core, and deno and wrangler (with workerd) for the edge examples), the
+#   benchmark's npm dependencies (bench/).
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -40,5 +41,12 @@ if [ ! -d node_modules/typescript ] || [ ! -d node_modules/playwright-core ] ||
   [ ! -d node_modules/deno ] || [ ! -d node_modules/wrangler ] ||
   [ package-lock.json -nt node_modules/.package-lock.json ]; then
   npm ci --no-audit --no-fund
+fi
+# The benchmark's own dependencies (transformers.js, its onnxruntime-web, wabt). transformers.js
+# depends on onnxruntime-node, whose install script would download CUDA files: skip it (the
+# benchmark uses onnxruntime-web's wasm backend only).
+if [ ! -d bench/node_modules/@huggingface/transformers ] ||
+  [ bench/package-lock.json -nt bench/node_modules/.package-lock.json ]; then
+  (cd bench && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund)
 fi
 echo "setup-wasm: ok"

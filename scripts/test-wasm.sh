@@ -12,6 +12,7 @@
 #   7. the edge examples (js-tests/edge.test.mjs): the Cloudflare Worker under `wrangler dev` and
 #      the Deno server on 127.0.0.1, over HTTP (golden tokens, streaming, abort, bad requests),
 #      failing unless every test ran; then a short load test of both (scripts/load-test-edge.mjs).
+#   8. the benchmark harness (bench/) on the tiny fixture, a smoke run of both engines.
 # SKIP_BUILD=1 reuses an existing pkg/.
 set -eu
 cd "$(dirname "$0")/.."
@@ -94,4 +95,13 @@ if [ "${passed:-0}" -ne "$expected_edge" ]; then
 fi
 echo "test-wasm: edge examples (Worker under wrangler dev, Deno): $passed tests passed"
 node scripts/load-test-edge.mjs --requests 48 --concurrency 8
+
+# The benchmark harness on the tiny fixture: both engines in Node and Chromium; it fails if a
+# run fails or if onnx-generate and transformers.js disagree on the greedy tokens.
+if ! node bench/bench.mjs --quick --models fixture --tokens 16 >"$logs/bench-smoke.log" 2>&1; then
+  tail -n 40 "$logs/bench-smoke.log"
+  echo "test-wasm: benchmark smoke run FAILED (log: $logs/bench-smoke.log)" >&2
+  exit 1
+fi
+echo "test-wasm: benchmark smoke run (bench/, tiny fixture) passed"
 echo "test-wasm: all passed"

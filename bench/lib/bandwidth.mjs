@@ -1,0 +1,69 @@
+// Memory bandwidth inside wasm: the module of bandwidth.wat sums a large buffer of f32 (SIMD,
+// four accumulators) on one thread, or on `threads` workers that each read their own part of
+// one shared memory at the same time. The same code runs in Node and in the browser page; the
+// caller passes `spawn(url)`, which starts a worker running bandwidth-worker.mjs.
+//
+// GB/s = bytes read / seconds, with GB = 1e9 bytes; the best of `passes` timed passes after a
+// warm-up pass (the physical limit is what the machine reaches, not its average under load).
+
+const PAGE = 65536;
+
+/** Reply of a worker (a Node worker_threads Worker or a browser Worker) to one message. */
+function ask(worker, message) {
+  return new Promise((resolve, reject) => {
+    const handle = (data) => (data && data.error ? reject(new Error(data.error)) : resolve(data));
+    if (typeof worker.once === "function") worker.once("message", handle);
+    else worker.addEventListener("message", (e) => handle(e.data), { once: true });
+    worker.postMessage(message);
+  });
+}
+
+export async function measureBandwidth({ wasm, megabytes = 512, passes = 5, threads = 1, spawn }) {
+  const bytes = megabytes * 1024 * 1024;
+  const pages = Math.ceil(bytes / PAGE) + 1;
+  const memory = new WebAssembly.Memory({ initial: pages, maximum: pages, shared: true });
+  // Touch every page with non-zero values, so reads come from committed memory.
+  new Float32Array(memory.buffer, 0, bytes / 4).fill(1);
+  const module = await WebAssembly.compile(wasm);
+  let run;
+  let cleanup = () => {};
+  if (threads === 1) {
+    const { exports } = await WebAssembly.instantiate(module, { env: { memory } });
+    run = async () => {
+      const t = performance.now();
+      const s = exports.sum(0, bytes);
+      const ms = performance.now() - t;
+      if (s !== bytes / 4) throw new Error(`bandwidth: wrong sum ${s}`);
+      return ms;
+    };
+  } else {
+    const part = Math.floor(bytes / threads / 64) * 64;
+    const workers = [];
+    for (let i = 0; i < threads; i++) workers.push(await spawn());
+    await Promise.all(workers.map((w) => ask(w, { module, memory })));
+    cleanup = () => workers.forEach((w) => w.terminate());
+    run = async () => {
+      const t = performance.now();
+      const sums = await Promise.all(workers.map((w, i) => ask(w, { start: i * part, bytes: part })));
+      const ms = performance.now() - t;
+      if (sums.some((s) => s !== part / 4)) throw new Error(`bandwidth: wrong sums ${sums}`);
+      return ms;
+    };
+  }
+  try {
+    await run();
+    const times = [];
+    for (let i = 0; i < passes; i++) times.push(await run());
+    const read = threads === 1 ? bytes : Math.floor(bytes / threads / 64) * 64 * threads;
+    const best = Math.min(...times);
+    const sorted = [...times].sort((a, b) => a - b);
+    return {
+      threads,
+      megabytes,
+      gbps: read / best / 1e6,
+      gbps_median: read / sorted[sorted.length >> 1] / 1e6,
+    };
+  } finally {
+    cleanup();
+  }
+}

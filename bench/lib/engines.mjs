@@ -1,0 +1,198 @@
+// One timed generation with each engine, the same code in Node and in the browser page. The
+// caller passes the loaded JavaScript modules and a `load` function for the environment
+// (bytes from disk in Node, URLs in the page); this file only times and collects.
+//
+// Both engines: greedy, exactly `newTokens` new tokens (min_new_tokens = max_new_tokens, so an
+// end-of-sequence token cannot stop either early), the prompt rendered and tokenized by each
+// engine itself (the chat template is given to transformers.js explicitly: it does not read
+// chat_template.jinja). Times come from the streaming callback of each engine:
+//   load      start of loading (runtime init included) to a ready model
+//   ttft      generate() called to the first new token (tokenization + prefill + one step)
+//   decode    the time between consecutive new tokens, 2..N (median)
+
+const now = () => performance.now();
+
+/** Options shared by both engines for exactly `n` greedy tokens. */
+function greedy(n) {
+  return { max_new_tokens: n, min_new_tokens: n, do_sample: false };
+}
+
+function median(xs) {
+  if (xs.length === 0) return null;
+  const s = [...xs].sort((a, b) => a - b);
+  const m = s.length >> 1;
+  return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
+}
+
+/** The figures of one run from its token times (ms since generate() was called). */
+function figures({ loadMs, startedAt, times, promptIds, tokenIds, text, newTokens, extra }) {
+  const ttft = times.length > 0 ? times[0] - startedAt : null;
+  const gaps = times.slice(1).map((t, i) => t - times[i]);
+  const decodeMs = median(gaps);
+  return {
+    load_ms: loadMs,
+    ttft_ms: ttft,
+    prompt_tokens: promptIds.length,
+    prefill_tps: ttft ? (promptIds.length * 1000) / ttft : null,
+    decode_ms: decodeMs,
+    decode_tps: decodeMs ? 1000 / decodeMs : null,
+    new_tokens: tokenIds.length,
+    complete: tokenIds.length === newTokens,
+    prompt_ids: promptIds,
+    token_ids: tokenIds,
+    text,
+    ...extra,
+  };
+}
+
+/**
+ * onnx-generate. `load()` resolves with a `Model` (runtime init included). `input` is chat
+ * messages or text. Generation stops early (finish_reason "abort") once `budgetMs` has passed,
+ * so a slow variant still reports its load time and the tokens it made.
+ */
+export async function runOnnxGenerate({ load, input, newTokens, budgetMs = Infinity }) {
+  const t0 = now();
+  const model = await load();
+  const loadMs = now() - t0;
+  const promptIds =
+    typeof input === "string"
+      ? model.encode(input, true)
+      : model.encode(model.applyChatTemplate(input, true), false);
+  const times = [];
+  const controller = new AbortController();
+  const startedAt = now();
+  const result = await model.generate(input, {
+    ...greedy(newTokens),
+    signal: controller.signal,
+    on_token: () => {
+      times.push(now());
+      if (now() - startedAt > budgetMs) controller.abort();
+    },
+  });
+  return figures({
+    loadMs,
+    startedAt,
+    times,
+    promptIds,
+    tokenIds: result.token_ids,
+    text: result.text,
+    newTokens,
+    extra: { finish_reason: result.finish_reason },
+  });
+}
+
+/**
+ * transformers.js (stopped after `budgetMs` like onnx-generate): `tjs` is the imported module (its onnxruntime-web backend already set up by
+ * the caller), `modelId` a folder under `env.localModelPath`, `dtype` its file suffix
+ * (fp32, fp16, q4, q8). `sessionOptions` go to from_pretrained.
+ */
+export async function runTransformersJs({
+  tjs,
+  modelId,
+  dtype,
+  device,
+  sessionOptions,
+  input,
+  chatTemplate,
+  newTokens,
+  budgetMs = Infinity,
+}) {
+  const t0 = now();
+  const tokenizer = await tjs.AutoTokenizer.from_pretrained(modelId);
+  const model = await tjs.AutoModelForCausalLM.from_pretrained(modelId, {
+    dtype,
+    device,
+    session_options: sessionOptions,
+  });
+  const loadMs = now() - t0;
+
+  const times = [];
+  let sawPrompt = false;
+  const budget = new tjs.InterruptableStoppingCriteria();
+  // transformers.js calls put() with the prompt first, then with each new token.
+  class Timer extends tjs.BaseStreamer {
+    put() {
+      if (sawPrompt) {
+        times.push(now());
+        if (now() - startedAt > budgetMs) budget.interrupt();
+      }
+      sawPrompt = true;
+    }
+    end() {}
+  }
+  const startedAt = now();
+  const inputs =
+    typeof input === "string"
+      ? tokenizer(input)
+      : tokenizer.apply_chat_template(input, {
+          chat_template: chatTemplate,
+          add_generation_prompt: true,
+          return_dict: true,
+        });
+  const output = await model.generate({
+    ...inputs,
+    ...greedy(newTokens),
+    streamer: new Timer(),
+    stopping_criteria: [budget],
+  });
+  const promptIds = Array.from(inputs.input_ids.data, Number);
+  const tokenIds = output.tolist()[0].slice(promptIds.length).map(Number);
+  const text = tokenizer.decode(tokenIds, { skip_special_tokens: true });
+  await model.dispose?.();
+  return figures({ loadMs, startedAt, times, promptIds, tokenIds, text, newTokens, extra: {} });
+}
+
+/** The prompts of the batch benchmark (the same as examples/bench_batch.rs, natively). */
+export const BATCH_TEXTS = [
+  "The capital of France is",
+  "Write a short poem about the sea.",
+  "def fibonacci(n):",
+  "Once upon a time, in a small village at the edge of a great forest, there lived",
+  "List three uses of copper:",
+  "Translate to German: good morning",
+  "Why is the sky blue? Explain it to a child in two sentences.",
+  "Hello",
+];
+
+/**
+ * onnx-generate on batches of the first `rows` of BATCH_TEXTS, greedy, `newTokens` per row with
+ * no eos, as examples/bench_batch.rs does natively: each size runs twice (the first run also
+ * compiles the plan of that batch size), figures of the second (steady) run.
+ */
+export async function runOnnxGenerateBatches({ load, rowsList, newTokens }) {
+  const t0 = now();
+  const model = await load();
+  const loadMs = now() - t0;
+  const options = { max_new_tokens: newTokens, eos_token_id: null, do_sample: false };
+  const timed = async (texts) => {
+    let first = null;
+    const start = now();
+    const result = await model.generate(texts, {
+      ...options,
+      on_token: () => {
+        if (first === null) first = now() - start;
+      },
+    });
+    const total = now() - start;
+    // sequences: one list per row (of num_return_sequences sequences).
+    const tokens = result.sequences.reduce((n, row) => n + row[0].token_ids.length, 0);
+    return { total, first: first ?? total, tokens };
+  };
+  const batches = [];
+  for (const rows of rowsList) {
+    const texts = BATCH_TEXTS.slice(0, rows);
+    if (texts.length < rows) throw new Error(`batch of ${rows} rows: only ${BATCH_TEXTS.length} prompts`);
+    const cold = await timed(texts);
+    const steady = await timed(texts);
+    batches.push({
+      rows,
+      first_run_s: cold.total / 1000,
+      steady_s: steady.total / 1000,
+      prefill_s: steady.first / 1000,
+      tokens: steady.tokens,
+      decode_tps: ((steady.tokens - rows) * 1000) / (steady.total - steady.first),
+      total_tps: (steady.tokens * 1000) / steady.total,
+    });
+  }
+  return { load_ms: loadMs, batches };
+}

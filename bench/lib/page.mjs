@@ -1,0 +1,60 @@
+// The benchmark's browser side (served by bench.mjs with COOP/COEP headers, so wasm threads
+// work): onnx-generate from /pkg/, transformers.js' browser bundle from /tjs/ with
+// onnxruntime-web's wasm files from /ort/, models from /models/<name>/.
+import { runOnnxGenerate, runOnnxGenerateBatches, runTransformersJs } from "./engines.mjs";
+import { measureBandwidth } from "./bandwidth.mjs";
+
+async function onnxGenerate(spec) {
+  const pkg = await import("/pkg/onnx_generate.js");
+  let memory;
+  const load = async () => {
+    ({ memory } = await pkg.default({ module_or_path: "/pkg/onnx_generate_bg.wasm" }));
+    return pkg.Model.fromUrl(`/models/${spec.model.name}/`, { variant: spec.model.ogVariant });
+  };
+  const result = spec.batch
+    ? await runOnnxGenerateBatches({ load, rowsList: spec.batch, newTokens: spec.newTokens })
+    : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, budgetMs: spec.budgetMs });
+  result.wasm_memory_mb = memory.buffer.byteLength / 2 ** 20;
+  return result;
+}
+
+async function transformersJs(spec) {
+  const tjs = await import("/tjs/transformers.js");
+  tjs.env.allowRemoteModels = false;
+  tjs.env.allowLocalModels = true; // false by default in browsers
+  tjs.env.localModelPath = "/models/";
+  tjs.env.useBrowserCache = false;
+  const wasm = tjs.env.backends.onnx.wasm;
+  wasm.numThreads = spec.threads;
+  // The files transformers.js would fetch from its CDN, served here.
+  wasm.wasmPaths = {
+    mjs: new URL("/ort/ort-wasm-simd-threaded.asyncify.mjs", location.href).href,
+    wasm: new URL("/ort/ort-wasm-simd-threaded.asyncify.wasm", location.href).href,
+  };
+  return runTransformersJs({
+    tjs,
+    modelId: spec.model.name,
+    dtype: spec.model.tjsDtype,
+    device: "wasm",
+    input: spec.input,
+    chatTemplate: spec.chatTemplate,
+    newTokens: spec.newTokens,
+    budgetMs: spec.budgetMs,
+  });
+}
+
+window.benchRun = async (spec) => {
+  const result = spec.engine === "onnx-generate" ? await onnxGenerate(spec) : await transformersJs(spec);
+  result.cross_origin_isolated = self.crossOriginIsolated;
+  return result;
+};
+
+window.benchBandwidth = (wasm, threads, megabytes) =>
+  measureBandwidth({
+    wasm: new Uint8Array(wasm),
+    threads,
+    megabytes,
+    spawn: async () => new Worker(new URL("./bandwidth-worker.mjs", import.meta.url), { type: "module" }),
+  });
+
+window.benchReady = true;

@@ -1,0 +1,241 @@
+// The markdown report of a benchmark run: one table of figures with a ratio row per
+// transformers.js configuration, the generated texts, memory bandwidth, and sizes.
+
+import { MESSAGES, TEXT_PROMPT } from "./models.mjs";
+
+const MB = 2 ** 20;
+// fp32 models: the two engines compute the same function, so greedy tokens must be equal.
+const MUST_AGREE = new Set(["fp32", "fixture"]);
+
+function median(xs) {
+  const v = xs.filter((x) => typeof x === "number" && Number.isFinite(x)).sort((a, b) => a - b);
+  if (v.length === 0) return null;
+  const m = v.length >> 1;
+  return v.length % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
+}
+
+const fmt = (x, digits = 1) => (x === null || x === undefined || !Number.isFinite(x) ? "-" : x.toFixed(digits));
+const ratio = (a, b) => (a && b ? `${(a / b).toFixed(2)}x` : "-");
+
+/** The first index where two id lists differ, or -1. */
+function firstDifference(a, b) {
+  const n = Math.max(a.length, b.length);
+  for (let i = 0; i < n; i++) if (a[i] !== b[i]) return i;
+  return -1;
+}
+
+/** Median figures of the repetitions of one configuration. */
+function aggregate(rs) {
+  const ok = rs.filter((r) => !r.error);
+  if (ok.length === 0) return { error: rs.map((r) => r.error).join("; ") };
+  const pick = (k) => median(ok.map((r) => r[k]));
+  const ids = ok[0].token_ids;
+  return {
+    load_ms: pick("load_ms"),
+    ttft_ms: pick("ttft_ms"),
+    prefill_tps: pick("prefill_tps"),
+    decode_ms: pick("decode_ms"),
+    decode_tps: pick("decode_tps"),
+    peak_mb: pick("peak_mb"),
+    cpu_per_wall: pick("cpu_per_wall"),
+    new_tokens: Math.min(...ok.map((r) => r.new_tokens)),
+    prompt_tokens: ok[0].prompt_tokens,
+    prompt_ids: ok[0].prompt_ids,
+    token_ids: ids,
+    text: ok[0].text,
+    reps: ok.length,
+    errors: rs.length - ok.length,
+    // Repetitions of one configuration must give the same greedy tokens.
+    unstable: ok.some((r) => firstDifference(r.token_ids, ids) >= 0),
+  };
+}
+
+export function report({ machine, options, models, runs, bandwidth, sizes }) {
+  const lines = [];
+  const problems = [];
+  const out = (s = "") => lines.push(s);
+  const load = (l) => l.map((x) => x.toFixed(2)).join(" ");
+
+  out(`# onnx-generate vs transformers.js: benchmark results`);
+  out();
+  out(
+    `${machine.date}; ${machine.cores} cores (${machine.cpu}); load average ${load(machine.loadStart)} at the start, ` +
+      `${load(machine.loadEnd)} at the end. Node ${machine.node}` +
+      (machine.chromium ? `, Chromium ${machine.chromium}` : "") +
+      `; transformers.js ${machine.tjs} on onnxruntime-web ${machine.ort} (wasm backend); onnx-generate ${machine.commit}.`,
+  );
+  out();
+  out(
+    `Same ONNX files, same prompt (${
+      models.every((m) => m.chatTemplate)
+        ? `the chat prompt "${MESSAGES[0].content}" with the template's system prompt`
+        : `"${TEXT_PROMPT}" for models without a chat template, else the chat prompt "${MESSAGES[0].content}"`
+    }), ` +
+      `greedy, exactly ${options.tokens} new tokens (end-of-sequence disabled with min_new_tokens); ` +
+      `${options.reps} repetition(s) per configuration, run A B A B, medians shown. ` +
+      `onnx-generate is single-threaded (no threads build yet): it always runs on 1 thread, and its ratios ` +
+      `compare it with transformers.js on the thread count of each ratio row. ` +
+      `The machine is shared: absolute figures drift, the ratios of the same run are what matter.`,
+  );
+  out();
+  out(
+    `Figures: **load** = runtime init + model files read + session ready; **first token** = generate() called to the ` +
+      `first new token (template, tokenization, prefill); **prefill** = prompt tokens / first-token time; ` +
+      `**decode** = 1 / median time between new tokens 2..${options.tokens}; **bound** = fraction of the memory-bandwidth ` +
+      `bound reached in decode (bytes of weights and KV cache read per token / time per token / bandwidth measured inside ` +
+      `wasm on the same thread count); **peak** = peak resident memory of the process (Node) or of the renderer ` +
+      `process (Chromium), runtime included; **x model** = peak / (weights + KV cache at the last token); ` +
+      `**CPU** = CPU time / wall time of the run. Ratios are onnx-generate / transformers.js: above 1 is better for ` +
+      `prefill, decode and bound, below 1 is better for load, first token and memory.`,
+  );
+  out();
+  out(`| env | model | engine | threads | load s | first token s | prefill tok/s | decode tok/s | bound | peak MB | x model | CPU | tokens |`);
+  out(`|---|---|---|---|---|---|---|---|---|---|---|---|---|`);
+
+  const texts = [];
+  for (const env of Object.keys(bandwidth)) {
+    for (const model of models) {
+      const group = (engine, threads) =>
+        aggregate(runs.filter((r) => r.env === env && r.model === model.name && r.engine === engine && r.threads === threads));
+      const bytesPerToken = (a) =>
+        model.weights.perToken + model.cacheBytes((a.prompt_tokens || 0) + options.tokens / 2);
+      const modelBytes = (a) => model.weights.total + model.cacheBytes((a.prompt_tokens || 0) + options.tokens);
+      const bound = (a, threads) => {
+        const bw = bandwidth[env][threads];
+        if (!a.decode_ms || !bw) return null;
+        return bytesPerToken(a) / (a.decode_ms / 1000) / (bw.gbps * 1e9);
+      };
+      const row = (engine, threads, a) => {
+        if (a.error) {
+          problems.push(`${env} ${model.name} ${engine} ${threads}t failed: ${a.error}`);
+          return `| ${env} | ${model.name} | ${engine} | ${threads} | failed: ${a.error.replace(/\|/g, "/").slice(0, 200)} |||||||||`;
+        }
+        const b = bound(a, threads);
+        const tokens = `${a.new_tokens}${a.new_tokens < options.tokens ? " (budget)" : ""}`;
+        return (
+          `| ${env} | ${model.name} | ${engine} | ${threads} | ${fmt(a.load_ms / 1000, 2)} | ${fmt(a.ttft_ms / 1000, 2)} | ` +
+          `${fmt(a.prefill_tps)} | ${fmt(a.decode_tps, 2)} | ${b === null ? "-" : Math.round(b * 100) + "%"} | ` +
+          `${fmt(a.peak_mb, 0)} | ${fmt((a.peak_mb * MB) / modelBytes(a), 2)} | ${fmt(a.cpu_per_wall, 2)} | ${tokens} |`
+        );
+      };
+      const og = group("onnx-generate", 1);
+      out(row("onnx-generate", 1, og));
+      if (!og.error) texts.push({ env, model: model.name, engine: "onnx-generate", threads: 1, ...og });
+      if (!model.tjsDtype) continue;
+      for (const t of options.threads) {
+        const tj = group("transformers.js", t);
+        out(row("transformers.js", t, tj));
+        if (tj.error) continue;
+        texts.push({ env, model: model.name, engine: "transformers.js", threads: t, ...tj });
+        if (og.error) continue;
+        // A run stopped by the time budget made fewer tokens: compare the tokens both made.
+        const n = Math.min(og.token_ids.length, tj.token_ids.length);
+        const diff = firstDifference(og.token_ids.slice(0, n), tj.token_ids.slice(0, n));
+        const promptDiff = firstDifference(og.prompt_ids, tj.prompt_ids);
+        let same = diff >= 0 ? `tokens differ from #${diff + 1}` : n < options.tokens ? `same ${n} first tokens` : "same tokens";
+        if (promptDiff >= 0) same += `; PROMPT IDS DIFFER at ${promptDiff}`;
+        if ((diff >= 0 && MUST_AGREE.has(model.name)) || promptDiff >= 0) {
+          same = `**MISMATCH**: ${same}`;
+          problems.push(`${env} ${model.name}: onnx-generate and transformers.js ${t}t disagree (${same})`);
+        }
+        const bo = bound(og, 1);
+        const bt = bound(tj, t);
+        out(
+          `| ${env} | ${model.name} | **ratio** | 1 / ${t} | ${ratio(og.load_ms, tj.load_ms)} | ${ratio(og.ttft_ms, tj.ttft_ms)} | ` +
+            `${ratio(og.prefill_tps, tj.prefill_tps)} | **${ratio(og.decode_tps, tj.decode_tps)}** | ${ratio(bo, bt)} | ` +
+            `${ratio(og.peak_mb, tj.peak_mb)} | | | ${same} |`,
+        );
+      }
+      for (const a of [og]) if (a.unstable) problems.push(`${env} ${model.name}: repetitions gave different tokens`);
+    }
+  }
+  out();
+
+  out(`## Generated text`);
+  out();
+  const seen = new Map();
+  for (const t of texts) {
+    const key = `${t.model}\u0000${t.token_ids.join(",")}`;
+    if (!seen.has(key)) seen.set(key, { model: t.model, text: t.text, who: [] });
+    seen.get(key).who.push(`${t.engine} ${t.env} ${t.threads}t`);
+  }
+  for (const { model, text, who } of seen.values()) {
+    out(`- **${model}** (${who.join(", ")}): ${JSON.stringify(text)}`);
+  }
+  out();
+
+  out(`## Memory bandwidth inside wasm, and bytes per token`);
+  out();
+  out(`| env | threads | GB/s before the runs | GB/s after the runs | GB/s used for the bound (the better) |`);
+  out(`|---|---|---|---|---|`);
+  for (const [env, byThreads] of Object.entries(bandwidth)) {
+    for (const [t, b] of Object.entries(byThreads)) {
+      out(`| ${env} | ${t} | ${fmt(b.gbps_start)} | ${fmt(b.gbps_end)} | ${fmt(b.gbps)} |`);
+    }
+  }
+  out();
+  out(
+    `Best of 5 passes of bench/lib/bandwidth.wat (f32x4 loads, 4 accumulators) over ${Object.values(Object.values(bandwidth)[0] || {})[0]?.megabytes ?? "-"} MiB, ` +
+      `on one thread or split over workers sharing one memory. Bytes per decode token, from the ONNX files: every ` +
+      `initializer except tables read only by Gather (the token embeddings), plus the KV cache at the mean position.`,
+  );
+  out();
+  out(`| model | file weights MB | read per token MB | Gather-only MB |`);
+  out(`|---|---|---|---|`);
+  for (const m of models) {
+    out(`| ${m.name} | ${fmt(m.weights.total / MB)} | ${fmt(m.weights.perToken / MB)} | ${fmt(m.weights.gatherOnly / MB)} |`);
+  }
+  out();
+
+  out(`## Download size`);
+  out();
+  out(`| engine | file | raw MB | gzip -9 MB |`);
+  out(`|---|---|---|---|`);
+  for (const s of sizes) out(`| ${s.engine} | ${s.file} | ${fmt(s.raw / MB, 2)} | ${fmt(s.gzip / MB, 2)} |`);
+  const total = (e) => sizes.filter((s) => s.engine === e).reduce((a, s) => ({ raw: a.raw + s.raw, gzip: a.gzip + s.gzip }), { raw: 0, gzip: 0 });
+  const og = total("onnx-generate");
+  const tj = total("transformers.js");
+  out(`| **onnx-generate / transformers.js** | all files | ${ratio(og.raw, tj.raw)} | ${ratio(og.gzip, tj.gzip)} |`);
+  out();
+  if (problems.length) {
+    out(`## Problems`);
+    out();
+    for (const p of problems) out(`- ${p}`);
+    out();
+  }
+  return { markdown: lines.join("\n"), problems };
+}
+
+/** The report of `--batch`: onnx-generate's tokens/s on batches of rows, per env and model. */
+export function reportBatches({ machine, options, runs }) {
+  const lines = [];
+  const problems = [];
+  const out = (s = "") => lines.push(s);
+  const load = (l) => l.map((x) => x.toFixed(2)).join(" ");
+  out(`# onnx-generate in wasm: batches of rows`);
+  out();
+  out(
+    `${machine.date}; ${machine.cores} cores (${machine.cpu}); load average ${load(machine.loadStart)} at the start, ` +
+      `${load(machine.loadEnd)} at the end; onnx-generate ${machine.commit}, 1 thread. The prompts and settings of ` +
+      `examples/bench_batch.rs (the native figures): greedy, ${options.tokens} new tokens per row, no eos; each size ` +
+      `runs twice, the first run also compiles the plan of that batch size, figures of the second.`,
+  );
+  out();
+  out(`| env | model | rows | first run s | steady s | prefill s | decode tok/s | total tok/s | peak MB |`);
+  out(`|---|---|---|---|---|---|---|---|---|`);
+  for (const r of runs) {
+    if (r.error) {
+      problems.push(`${r.env} ${r.model} batches failed: ${r.error}`);
+      out(`| ${r.env} | ${r.model} | failed: ${r.error.replace(/\|/g, "/").slice(0, 200)} ||||||||`);
+      continue;
+    }
+    for (const b of r.batches) {
+      out(
+        `| ${r.env} | ${r.model} | ${b.rows} | ${fmt(b.first_run_s, 2)} | ${fmt(b.steady_s, 2)} | ${fmt(b.prefill_s, 2)} | ` +
+          `${fmt(b.decode_tps)} | ${fmt(b.total_tps)} | ${fmt(r.peak_mb, 0)} |`,
+      );
+    }
+  }
+  out();
+  return { markdown: lines.join("\n"), problems };
+}
