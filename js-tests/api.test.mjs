@@ -126,6 +126,117 @@ test("bad input rejects with an Error naming it; the model recovers", async () =
   assert.deepEqual((await model.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN);
 });
 
+// Custom logits processors: `logits_processor`, functions (tokenIds, logits) => void | Float32Array.
+test("a logits processor that bans a token equals suppress_tokens and bad_words_ids", async () => {
+  const banned = GOLDEN[1];
+  const ban = (ids, logits) => {
+    logits[banned] = -Infinity;
+  };
+  const r = await model.generate(HELLO, { max_new_tokens: 12, logits_processor: [ban] });
+  assert.ok(!r.token_ids.includes(banned), `${banned} in ${r.token_ids}`);
+  assert.equal(r.token_ids[0], GOLDEN[0]);
+  assert.notDeepEqual(r.token_ids, GOLDEN);
+  const suppressed = await model.generate(HELLO, { max_new_tokens: 12, suppress_tokens: [banned] });
+  const badWords = await model.generate(HELLO, { max_new_tokens: 12, bad_words_ids: [[banned]] });
+  assert.deepEqual(r.token_ids, suppressed.token_ids);
+  assert.deepEqual(r.token_ids, badWords.token_ids);
+  // Sampling with a seed and log-probs: the same draws and log-probs as suppress_tokens.
+  const sampling = { max_new_tokens: 12, do_sample: true, seed: 3, top_k: 8, output_scores: true };
+  const s1 = await model.generate(HELLO, { ...sampling, logits_processor: ban });
+  const s2 = await model.generate(HELLO, { ...sampling, suppress_tokens: [banned] });
+  assert.deepEqual(s1.token_ids, s2.token_ids);
+  assert.deepEqual(s1.logprobs, s2.logprobs);
+  // stream() takes processors too.
+  const streamed = [];
+  for await (const e of model.stream(HELLO, { max_new_tokens: 12, logits_processor: [ban] })) streamed.push(e.token_id);
+  assert.deepEqual(streamed, r.token_ids);
+});
+
+test("a logits processor sees the sequence so far and may return a new array", async () => {
+  const seen = [];
+  const forced = 7;
+  const force = (ids, logits) => {
+    assert.ok(ids instanceof Uint32Array);
+    assert.ok(logits instanceof Float32Array);
+    assert.equal(logits.length, model.vocabSize);
+    seen.push(Array.from(ids));
+    const out = new Float32Array(logits.length).fill(-Infinity);
+    out[forced] = 0;
+    return out;
+  };
+  const r = await model.generate(HELLO, { max_new_tokens: 4, logits_processor: [force] });
+  assert.deepEqual(r.token_ids, [forced, forced, forced, forced]);
+  assert.deepEqual(seen, [0, 1, 2, 3].map((n) => [...HELLO, ...Array(n).fill(forced)]));
+});
+
+test("logits processors run in order, after suppress_tokens and before the warpers", async () => {
+  const order = [];
+  const first = (ids, logits) => {
+    order.push("first");
+    // suppress_tokens ran before: its token is already -Infinity.
+    assert.equal(logits[5], -Infinity);
+    logits[GOLDEN[0]] = -Infinity;
+  };
+  const second = (ids, logits) => {
+    order.push("second");
+    assert.equal(logits[GOLDEN[0]], -Infinity);
+    // top_k runs after: more than one score is still finite.
+    assert.ok(logits.filter(Number.isFinite).length > 1);
+  };
+  const r = await model.generate(HELLO, {
+    max_new_tokens: 2,
+    do_sample: true,
+    top_k: 1,
+    seed: 1,
+    suppress_tokens: [5],
+    logits_processor: [first, second],
+  });
+  assert.deepEqual(order, ["first", "second", "first", "second"]);
+  assert.notEqual(r.token_ids[0], GOLDEN[0]);
+});
+
+test("a throwing logits processor rejects with its index and cause; the model recovers", async () => {
+  let calls = 0;
+  const ok = () => {};
+  const boom = () => {
+    if (++calls === 3) throw new Error("processor broke");
+  };
+  await assert.rejects(
+    model.generate(HELLO, { max_new_tokens: 12, logits_processor: [ok, boom] }),
+    (e) => {
+      assert.ok(e instanceof Error);
+      assert.match(e.message, /`logits_processor` 1 threw at row 0 \(6 tokens\): processor broke/);
+      assert.equal(e.cause.message, "processor broke");
+      return true;
+    },
+  );
+  assert.equal(calls, 3);
+  await assert.rejects(
+    model.generate(HELLO, { logits_processor: () => { throw "plain string"; } }),
+    /`logits_processor` 0 threw at row 0 \(4 tokens\): plain string/,
+  );
+  assert.deepEqual((await model.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN);
+});
+
+test("a logits processor returning the wrong length or type rejects; the model recovers", async () => {
+  const cases = [
+    [() => new Float32Array(10), /`logits_processor` 0 returned a Float32Array of length 10; expected length 512/],
+    [() => [1, 2, 3], /`logits_processor` 0 returned a plain array; expected a Float32Array of length 512/],
+    [() => new Float64Array(512), /`logits_processor` 0 returned a Float64Array/],
+    [() => 3, /`logits_processor` 0 returned a number/],
+  ];
+  for (const [f, pattern] of cases) {
+    await assert.rejects(model.generate(HELLO, { max_new_tokens: 3, logits_processor: [f] }), (e) => {
+      assert.ok(e instanceof Error);
+      assert.match(e.message, pattern);
+      return true;
+    });
+  }
+  await assert.rejects(model.generate(HELLO, { logits_processor: [() => {}, 5] }), /`logits_processor` 1 must be a function/);
+  await assert.rejects(model.generate(HELLO, { logits_processor: {} }), /`logits_processor` must be a list of functions/);
+  assert.deepEqual((await model.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN);
+});
+
 test("gpt2 through the same API", async () => {
   const golden = JSON.parse(await readFile(new URL("tests/fixtures/golden/gpt2.json", root)));
   const gpt2 = await Model.load(await files("gpt2"));

@@ -6,7 +6,15 @@ import init, {
   type TokenEvent,
   type LoadProgress,
   type ChatMessage,
+  type LogitsProcessor,
 } from "onnx-generate";
+
+// A processor may also return a new array of the same length.
+const noRepeatLast: LogitsProcessor = (tokenIds, logits) => {
+  const out = Float32Array.from(logits);
+  out[tokenIds[tokenIds.length - 1]] = -Infinity;
+  return out;
+};
 
 export async function demo(base: string, signal: AbortSignal): Promise<string> {
   await init();
@@ -21,6 +29,12 @@ export async function demo(base: string, signal: AbortSignal): Promise<string> {
     top_p: 0.9,
     seed: 42,
     signal,
+    logits_processor: [
+      (tokenIds: Uint32Array, logits: Float32Array): void => {
+        if (tokenIds.length > 40) logits[0] = -Infinity;
+      },
+      noRepeatLast,
+    ],
     on_token: (e: TokenEvent) => {
       if (e.finished) console.log(e.row, e.finish_reason);
     },

@@ -241,3 +241,47 @@ fn bad_options_are_refused_and_the_model_stays_usable() {
     let (out, _) = run(&m, &p, json!({"max_new_tokens": 3}));
     assert_eq!(out.sequences[0][0].token_ids.len(), 3);
 }
+
+/// The ids of seeded sampling requests, shared with the wasm tests (`tests/wasm_api`), which
+/// assert the same ids in Node and in Chromium. `ONNX_GENERATE_WRITE_SEEDED=1 cargo test --test
+/// sampling seeded` rewrites the `expected` ids of `tests/fixtures/seeded_sampling.json` from
+/// this engine's native run.
+#[test]
+fn seeded_sampling_gives_the_fixture_ids() {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/seeded_sampling.json");
+    let mut fixture: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let write = std::env::var_os("ONNX_GENERATE_WRITE_SEEDED").is_some();
+    let m = model();
+    let cases = fixture["cases"].as_array_mut().unwrap();
+    assert!(cases.len() >= 4, "the fixture has {} cases", cases.len());
+    for case in cases.iter_mut() {
+        let id = case["id"].as_str().unwrap().to_string();
+        let prompts: Vec<Vec<u32>> = serde_json::from_value(case["prompts"].clone()).unwrap();
+        let (out, _) = run(&m, &prompts, case["options"].clone());
+        let got: Vec<Vec<Vec<u32>>> = out
+            .sequences
+            .iter()
+            .map(|row| row.iter().map(|s| s.token_ids.clone()).collect())
+            .collect();
+        assert!(got.iter().flatten().all(|ids| !ids.is_empty()), "{id}");
+        if write {
+            case["expected"] = json!(got);
+        } else {
+            let want: Vec<Vec<Vec<u32>>> =
+                serde_json::from_value(case["expected"].clone()).unwrap();
+            assert_eq!(got, want, "{id}");
+        }
+    }
+    if write {
+        // One case per line, so that a change shows as the cases it touches.
+        let lines: Vec<String> = cases.iter().map(|c| format!("    {c}")).collect();
+        let text = format!(
+            "{{\n  \"about\": {},\n  \"model\": \"llama\",\n  \"cases\": [\n{}\n  ]\n}}\n",
+            fixture["about"],
+            lines.join(",\n")
+        );
+        std::fs::write(&path, text).unwrap();
+    }
+}

@@ -3,6 +3,7 @@
 //! event loop. File reading, the event queue of `stream()` and `readable()` live in
 //! `js/helpers.js` (a wasm-bindgen snippet). The TypeScript declarations are in `types.rs`.
 
+mod processors;
 mod types;
 
 use std::rc::Rc;
@@ -338,6 +339,8 @@ fn token_ids(items: &[JsValue], prompt: Option<usize>) -> Result<Vec<u32>, JsVal
 struct Options {
     on_token: Option<Function>,
     signal: JsValue,
+    /// `logits_processor`: JavaScript functions (see `processors.rs`).
+    logits_processor: JsValue,
     generation: Map<String, Value>,
 }
 
@@ -346,6 +349,7 @@ fn parse_options(options: &JsValue) -> Result<Options, JsValue> {
         return Ok(Options {
             on_token: None,
             signal: JsValue::UNDEFINED,
+            logits_processor: JsValue::UNDEFINED,
             generation: Map::new(),
         });
     }
@@ -377,7 +381,7 @@ fn parse_options(options: &JsValue) -> Result<Options, JsValue> {
     let rest = Object::new();
     for key in Object::keys(options.unchecked_ref::<Object>()).iter() {
         let name = key.as_string().unwrap_or_default();
-        if name == "on_token" || name == "signal" {
+        if name == "on_token" || name == "signal" || name == processors::OPTION {
             continue;
         }
         let value = get(options, &name);
@@ -407,6 +411,7 @@ fn parse_options(options: &JsValue) -> Result<Options, JsValue> {
     Ok(Options {
         on_token,
         signal,
+        logits_processor: get(options, processors::OPTION),
         generation,
     })
 }
@@ -475,8 +480,10 @@ async fn run(inner: &Loaded, input: &JsValue, options: &JsValue) -> Result<JsVal
     let options = parse_options(options)?;
     let prompts = prompts_of(inner, input)?;
     let model = &inner.model;
+    let thrown = processors::Thrown::default();
+    let custom = processors::parse(&options.logits_processor, &thrown).map_err(js_error)?;
     let mut generation =
-        Generation::new(model, &prompts, &options.generation, vec![]).map_err(js_error)?;
+        Generation::new(model, &prompts, &options.generation, custom).map_err(js_error)?;
     loop {
         if is_aborted(&options.signal) {
             // Stop and release the cache now; the result keeps the tokens so far.
@@ -486,7 +493,14 @@ async fn run(inner: &Loaded, input: &JsValue, options: &JsValue) -> Result<JsVal
         if generation.is_finished() {
             break;
         }
-        let events = generation.step(model).map_err(js_error)?;
+        let events = generation.step(model).map_err(|e| {
+            // A processor that threw: its exception is the `cause` of the error.
+            let error = js_error(e);
+            if let Some(exception) = thrown.borrow_mut().take() {
+                let _ = Reflect::set(&error, &"cause".into(), &exception);
+            }
+            error
+        })?;
         if let Some(on_token) = &options.on_token {
             for event in &events {
                 // An exception in the callback ends the request with that exception.

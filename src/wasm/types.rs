@@ -61,6 +61,18 @@ export interface ChatMessage {
 export type GenerateInput = string | number[] | ChatMessage[] | string[] | number[][];
 
 /**
+ * A custom logits processor, called once per row per step with:
+ * - `tokenIds`: the row's sequence so far, as transformers' `input_ids` holds it: the prompt
+ *   then the generated tokens (for an encoder-decoder, the decoder sequence from
+ *   `decoder_start_token_id`). A fresh copy the function may keep.
+ * - `logits`: the row's scores as the processors before it left them (`vocabSize` values; in
+ *   beam search, log-probabilities, as transformers gives its processors). A copy: edit it in
+ *   place, or return a new `Float32Array` of the same length to replace it.
+ * Set a score to `-Infinity` to forbid a token.
+ */
+export type LogitsProcessor = (tokenIds: Uint32Array, logits: Float32Array) => void | Float32Array;
+
+/**
  * Options of `generate`, `stream` and `readable`: the fields of `generation_config.json`
  * (snake_case, as transformers names them) override the model's generation config for this
  * request. An unknown name rejects with an Error that lists the valid ones.
@@ -127,6 +139,15 @@ export interface GenerateOptions {
    * with `s + r`; a list gives one seed per row.
    */
   seed?: number | number[] | null;
+  /**
+   * Custom logits processors (one function or a list), applied in order where transformers
+   * applies `generate(logits_processor=...)`: after the built-in processors (after
+   * `begin_suppress_tokens`) and before the sampling warpers (`temperature`, `top_k`,
+   * `top_p`, ...). A processor that throws, or returns an array of another length, rejects
+   * the request with an Error naming its index (a thrown exception is the Error's `cause`);
+   * the model stays usable.
+   */
+  logits_processor?: LogitsProcessor | LogitsProcessor[] | null;
   /** Called once per new token, in order. Throwing ends the request with that exception. */
   on_token?: (event: TokenEvent) => void;
   /**

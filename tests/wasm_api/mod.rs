@@ -331,6 +331,56 @@ async fn bad_input_rejects_with_named_errors_and_the_model_recovers() {
             "options must be an object",
         ),
     ];
+    // The invalid values of transformers' `GenerationConfig.validate`.
+    let mut cases = cases;
+    for (options, needle) in [
+        (
+            serde_json::json!({"do_sample": true, "temperature": 0}),
+            "`temperature` must be strictly positive",
+        ),
+        (
+            serde_json::json!({"do_sample": true, "temperature": -0.5}),
+            "`temperature` must be strictly positive",
+        ),
+        (
+            serde_json::json!({"do_sample": true, "top_p": 0}),
+            "`top_p` must be in (0, 1]",
+        ),
+        (
+            serde_json::json!({"do_sample": true, "top_p": 1.5}),
+            "`top_p` must be in (0, 1]",
+        ),
+        (
+            serde_json::json!({"top_k": -1}),
+            "`top_k` must be a non-negative integer",
+        ),
+        (
+            serde_json::json!({"repetition_penalty": 0}),
+            "`repetition_penalty` must be a strictly positive",
+        ),
+        (
+            serde_json::json!({"repetition_penalty": -1}),
+            "`repetition_penalty` must be a strictly positive",
+        ),
+        (
+            serde_json::json!({"bad_words_ids": [[5], [7, 512]]}),
+            "`bad_words_ids` has token ids outside the vocabulary (0..512): [512]",
+        ),
+        (
+            serde_json::json!({"suppress_tokens": [3, 9999]}),
+            "`suppress_tokens` has token ids outside the vocabulary (0..512): [9999]",
+        ),
+        (
+            serde_json::json!({"logits_processor": 5}),
+            "`logits_processor` must be a list of functions",
+        ),
+        (
+            serde_json::json!({"logits_processor": ["x"]}),
+            "`logits_processor` 0 must be a function",
+        ),
+    ] {
+        cases.push((prompt.clone(), js(&options), needle));
+    }
     for (input, options, needle) in cases {
         let e = await_promise(model.generate(input, options))
             .await
@@ -416,4 +466,87 @@ async fn stream_iterates_the_events() {
         ids,
         [411, 403, 197, 128, 502, 495, 348, 1, 89, 233, 171, 297]
     );
+}
+
+/// The seeded sampling requests of `tests/fixtures/seeded_sampling.json` give the ids the
+/// native engine gave (`tests/sampling.rs` asserts the same file natively).
+#[wasm_bindgen_test]
+async fn seeded_sampling_gives_the_native_ids() {
+    let fixture: Value =
+        serde_json::from_str(include_str!("../fixtures/seeded_sampling.json")).unwrap();
+    let model = load(&llama()).await;
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() >= 4);
+    for case in cases {
+        let id = case["id"].as_str().unwrap();
+        let result =
+            match await_promise(model.generate(js(&case["prompts"]), js(&case["options"]))).await {
+                Ok(r) => r,
+                Err(e) => panic!("{id}: {}", error_message(&e)),
+            };
+        let got: Vec<Vec<Vec<u32>>> = Array::from(&get(&result, "sequences"))
+            .iter()
+            .map(|row| {
+                Array::from(&row)
+                    .iter()
+                    .map(|s| ids_of(&get(&s, "token_ids")))
+                    .collect()
+            })
+            .collect();
+        let want: Vec<Vec<Vec<u32>>> = serde_json::from_value(case["expected"].clone()).unwrap();
+        assert_eq!(got, want, "{id}");
+    }
+}
+
+/// A JavaScript logits processor that sets a token's score to -Infinity gives the result of
+/// `suppress_tokens` with that token, when sampling too; it runs once per row per step and
+/// sees each row's prompt and new tokens.
+#[wasm_bindgen_test]
+async fn js_logits_processor_bans_a_token_like_suppress_tokens() {
+    let model = load(&llama()).await;
+    let prompts = serde_json::json!([[1, 355, 459, 316], [1, 503, 309, 306]]);
+    let base = serde_json::json!({"max_new_tokens": 8, "eos_token_id": null, "do_sample": true,
+        "seed": 4, "top_k": 10});
+    let ids_of_rows = |r: &JsValue| -> Vec<Vec<u32>> {
+        Array::from(&get(r, "sequences"))
+            .iter()
+            .map(|row| ids_of(&get(&Array::from(&row).get(0), "token_ids")))
+            .collect()
+    };
+    // The token to ban: the first token of row 0 without the ban.
+    let plain = await_promise(model.generate(js(&prompts), js(&base)))
+        .await
+        .unwrap();
+    let banned = ids_of_rows(&plain)[0][0];
+    let calls = Array::new();
+    let ban = Function::new_with_args(
+        "ids, logits",
+        &format!("this.push(Array.from(ids)); logits[{banned}] = -Infinity;"),
+    )
+    .bind(&calls);
+    let options = js(&base);
+    set(&options, "logits_processor", &Array::of1(&ban));
+    let custom = await_promise(model.generate(js(&prompts), options))
+        .await
+        .unwrap();
+    let mut suppress = base.clone();
+    suppress["suppress_tokens"] = serde_json::json!([banned]);
+    let suppressed = await_promise(model.generate(js(&prompts), js(&suppress)))
+        .await
+        .unwrap();
+    let rows = ids_of_rows(&custom);
+    assert!(rows.iter().flatten().all(|&t| t != banned), "{rows:?}");
+    assert_eq!(rows, ids_of_rows(&suppressed));
+    // Two rows, eight steps: sixteen calls, each with its row's prompt and tokens so far.
+    assert_eq!(calls.length(), 16);
+    for call in calls.iter() {
+        let ids = ids_of(&call);
+        let (row, prompt) = if ids[1] == 355 {
+            (0, [1u32, 355, 459, 316])
+        } else {
+            (1, [1u32, 503, 309, 306])
+        };
+        assert_eq!(ids[..4], prompt);
+        assert_eq!(ids[4..], rows[row][..ids.len() - 4]);
+    }
 }
