@@ -20,7 +20,8 @@ use golden::{GoldenDir, ImageSource, Outcome};
 use onnx_generate::model::DecoderLayout;
 use onnx_generate::{Model, ModelFiles};
 
-const USAGE: &str = "usage: golden --model DIR --cases FILE.json [--variant V] [--only ID] [--split] \
+const USAGE: &str =
+    "usage: golden --model DIR --cases FILE.json [--variant V] [--only ID] [--split] \
                      [--images stored|encoder]";
 
 fn main() {

@@ -22,7 +22,9 @@ pub struct NpyArray {
 impl NpyArray {
     /// Parse the bytes of a `.npy` file; `name` is used in error messages.
     pub fn parse(bytes: &[u8], name: &str) -> Result<NpyArray> {
-        let bad = |why: String| Error::InvalidInput(format!("{name} is not a supported .npy file: {why}"));
+        let bad = |why: String| {
+            Error::InvalidInput(format!("{name} is not a supported .npy file: {why}"))
+        };
         if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
             return Err(bad("no NUMPY magic".into()));
         }
@@ -40,7 +42,8 @@ impl NpyArray {
         let header = std::str::from_utf8(header).map_err(|_| bad("header is not text".into()))?;
         let descr = dict_value(header, "descr").ok_or_else(|| bad("no descr".into()))?;
         let descr = descr.trim_matches(|c| c == '\'' || c == '"');
-        let fortran = dict_value(header, "fortran_order").ok_or_else(|| bad("no fortran_order".into()))?;
+        let fortran =
+            dict_value(header, "fortran_order").ok_or_else(|| bad("no fortran_order".into()))?;
         if fortran.trim() != "False" {
             return Err(bad("Fortran order (only C order is read)".into()));
         }
@@ -50,13 +53,20 @@ impl NpyArray {
             .split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
-            .map(|s| s.parse::<usize>().map_err(|_| bad(format!("shape {shape_text}"))))
+            .map(|s| {
+                s.parse::<usize>()
+                    .map_err(|_| bad(format!("shape {shape_text}")))
+            })
             .collect::<Result<Vec<usize>>>()?;
         let count: usize = shape.iter().product();
         let body = &bytes[start + header_len..];
         let take = |size: usize| -> Result<&[u8]> {
-            body.get(..count * size)
-                .ok_or_else(|| bad(format!("{} data bytes for {count} elements of {size} bytes", body.len())))
+            body.get(..count * size).ok_or_else(|| {
+                bad(format!(
+                    "{} data bytes for {count} elements of {size} bytes",
+                    body.len()
+                ))
+            })
         };
         let data = match descr {
             "<f4" => NpyData::F32(
@@ -82,7 +92,9 @@ impl NpyArray {
     pub fn into_f32(self, name: &str) -> Result<Vec<f32>> {
         match self.data {
             NpyData::F32(v) => Ok(v),
-            _ => Err(Error::InvalidInput(format!("{name}: expected a float32 array"))),
+            _ => Err(Error::InvalidInput(format!(
+                "{name}: expected a float32 array"
+            ))),
         }
     }
 }
@@ -116,7 +128,8 @@ mod tests {
     use super::*;
 
     fn npy(descr: &str, shape: &str, body: &[u8]) -> Vec<u8> {
-        let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+        let mut header =
+            format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
         while (10 + header.len() + 1) % 64 != 0 {
             header.push(' ');
         }
@@ -130,12 +143,21 @@ mod tests {
 
     #[test]
     fn reads_the_element_types() {
-        let f: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         let a = NpyArray::parse(&npy("<f4", "(2,)", &f), "f").unwrap();
         assert_eq!((a.shape, a.data), (vec![2], NpyData::F32(vec![1.5, -2.0])));
-        let i: Vec<u8> = [3i64, -4, 5, 6].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let i: Vec<u8> = [3i64, -4, 5, 6]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         let a = NpyArray::parse(&npy("<i8", "(2, 2)", &i), "i").unwrap();
-        assert_eq!((a.shape, a.data), (vec![2, 2], NpyData::I64(vec![3, -4, 5, 6])));
+        assert_eq!(
+            (a.shape, a.data),
+            (vec![2, 2], NpyData::I64(vec![3, -4, 5, 6]))
+        );
         let a = NpyArray::parse(&npy("|b1", "(1, 2)", &[1, 0]), "b").unwrap();
         assert_eq!(a.data, NpyData::Bool(vec![true, false]));
         let a = NpyArray::parse(&npy("|u1", "(0, 64)", &[]), "u").unwrap();

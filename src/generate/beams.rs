@@ -140,12 +140,7 @@ impl BeamRun {
                 .prompt_inputs
                 .as_ref()
                 .map(|p| (p, group.active.as_slice()));
-            group.state = Some(model.start_rows(
-                group.active.len(),
-                capacity,
-                encoder,
-                inputs,
-            )?);
+            group.state = Some(model.start_rows(group.active.len(), capacity, encoder, inputs)?);
         }
         let state = group
             .state

@@ -115,7 +115,11 @@ impl Model {
                 let embed = match (&files.embed_tokens, signature.takes_ids) {
                     (Some(bytes), false) => {
                         let data = files.embed_tokens_external_data.as_deref();
-                        Some(Embedder::new(&onnx::decode(bytes, data, "embed_tokens.onnx")?)?)
+                        Some(Embedder::new(&onnx::decode(
+                            bytes,
+                            data,
+                            "embed_tokens.onnx",
+                        )?)?)
                     }
                     _ => None,
                 };
@@ -138,7 +142,11 @@ impl Model {
             (Some(bytes), Some(_)) => {
                 let data = files.vision_encoder_external_data.as_deref();
                 let proto = onnx::decode(bytes, data, "vision_encoder.onnx")?;
-                Some(VisionEncoder::new(&proto, &config, preprocessor_config.as_ref())?)
+                Some(VisionEncoder::new(
+                    &proto,
+                    &config,
+                    preprocessor_config.as_ref(),
+                )?)
             }
             _ => None,
         };

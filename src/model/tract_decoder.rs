@@ -10,8 +10,8 @@ use tract_onnx::prelude::*;
 use crate::cache::KvCache;
 use crate::decoder::{Decoder, DecoderState, Logits};
 use crate::error::{backend, Error, Result};
-use crate::model::onnx::specialize_bool_input;
 use crate::model::embeddings::Embedder;
+use crate::model::onnx::specialize_bool_input;
 use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32};
 use crate::vision::RowInputs;
 
@@ -435,7 +435,11 @@ impl TractState {
         let cap = self.cache.capacity();
         let mut ids = vec![0i64; rows * seq];
         let mut mask = vec![0i64; rows * (cap + seq)];
-        let axes = if self.decoder.sig.position_axes == 3 { 3 } else { 1 };
+        let axes = if self.decoder.sig.position_axes == 3 {
+            3
+        } else {
+            1
+        };
         let mut positions = vec![0i64; axes * rows * seq];
         for r in 0..rows {
             let len = self.cache.lengths[r];
@@ -604,14 +608,14 @@ impl TractState {
         let hidden = embed.hidden;
         if let Some(ri) = &self.rows {
             for (r, &count) in counts.iter().enumerate() {
-            let len = self.cache.lengths[r];
-            for j in 0..count {
-                if let Some(f) = ri.inputs.feature(ri.prompt_of[r], len + j) {
-                    let at = (r * seq + j) * hidden;
-                    data[at..at + hidden].copy_from_slice(f);
+                let len = self.cache.lengths[r];
+                for j in 0..count {
+                    if let Some(f) = ri.inputs.feature(ri.prompt_of[r], len + j) {
+                        let at = (r * seq + j) * hidden;
+                        data[at..at + hidden].copy_from_slice(f);
+                    }
                 }
             }
-        }
         }
         Tensor::from_shape(&[counts.len(), seq, hidden], &data).map_err(backend)
     }

@@ -80,9 +80,15 @@ impl VisionEncoder {
             ))
         })?;
         let (second, processor) = if let Some(g) = at("grid_thw") {
-            (g, VisionProcessor::Qwen2Vl(Qwen2VlProcessor::from_config(pre)?))
+            (
+                g,
+                VisionProcessor::Qwen2Vl(Qwen2VlProcessor::from_config(pre)?),
+            )
         } else if let Some(m) = at("pixel_attention_mask") {
-            (m, VisionProcessor::Idefics3(Idefics3Processor::from_config(pre)?))
+            (
+                m,
+                VisionProcessor::Idefics3(Idefics3Processor::from_config(pre)?),
+            )
         } else {
             return Err(Error::Unsupported(format!(
                 "a vision encoder with inputs {names:?} (supported: Qwen2-VL's pixel_values + \
@@ -96,7 +102,11 @@ impl VisionEncoder {
         }
         let vision = config.get("vision_config").cloned().unwrap_or(Value::Null);
         let num = |v: &Value, k: &str| v.get(k).and_then(|x| x.as_u64()).map(|x| x as usize);
-        let tokens_per_tile = match (&processor, num(&vision, "image_size"), num(&vision, "patch_size")) {
+        let tokens_per_tile = match (
+            &processor,
+            num(&vision, "image_size"),
+            num(&vision, "patch_size"),
+        ) {
             (VisionProcessor::Idefics3(_), Some(size), Some(patch)) if patch > 0 => {
                 let scale = num(config, "scale_factor").unwrap_or(1).max(1);
                 (size / patch) * (size / patch) / (scale * scale)
@@ -129,7 +139,9 @@ impl VisionEncoder {
         let plan = model
             .into_optimized()
             .and_then(|m| m.into_runnable())
-            .map_err(|e| Error::Model(format!("tract cannot compile vision_encoder.onnx: {e:?}")))?;
+            .map_err(|e| {
+                Error::Model(format!("tract cannot compile vision_encoder.onnx: {e:?}"))
+            })?;
         let mut inputs: TVec<TValue> = tvec![];
         for ix in 0..2 {
             inputs.push(if ix == self.pixels {
@@ -173,7 +185,10 @@ impl VisionEncoder {
 
     /// The image processor with some settings of preprocessor_config.json replaced (as the
     /// keyword arguments of a processor call, e.g. `do_image_splitting: false`).
-    pub fn processor_with(&self, overrides: &serde_json::Map<String, Value>) -> Result<VisionProcessor> {
+    pub fn processor_with(
+        &self,
+        overrides: &serde_json::Map<String, Value>,
+    ) -> Result<VisionProcessor> {
         if overrides.is_empty() {
             return Ok(self.processor.clone());
         }
@@ -184,8 +199,12 @@ impl VisionEncoder {
             }
         }
         Ok(match &self.processor {
-            VisionProcessor::Qwen2Vl(_) => VisionProcessor::Qwen2Vl(Qwen2VlProcessor::from_config(&pre)?),
-            VisionProcessor::Idefics3(_) => VisionProcessor::Idefics3(Idefics3Processor::from_config(&pre)?),
+            VisionProcessor::Qwen2Vl(_) => {
+                VisionProcessor::Qwen2Vl(Qwen2VlProcessor::from_config(&pre)?)
+            }
+            VisionProcessor::Idefics3(_) => {
+                VisionProcessor::Idefics3(Idefics3Processor::from_config(&pre)?)
+            }
         })
     }
 
@@ -195,7 +214,11 @@ impl VisionEncoder {
     }
 
     /// `encode` with another processor (`processor_with`).
-    pub fn encode_with(&self, images: &[RgbImage], processor: &VisionProcessor) -> Result<EncodedImages> {
+    pub fn encode_with(
+        &self,
+        images: &[RgbImage],
+        processor: &VisionProcessor,
+    ) -> Result<EncodedImages> {
         if images.is_empty() {
             return invalid!("no images to encode");
         }

@@ -114,7 +114,11 @@ impl Idefics3Processor {
     /// The tiles of one image.
     pub fn preprocess(&self, image: &RgbImage) -> Result<Tiles> {
         if image.width == 0 || image.height == 0 {
-            return invalid!("an image of {}x{} pixels: width and height must be positive", image.width, image.height);
+            return invalid!(
+                "an image of {}x{} pixels: width and height must be positive",
+                image.width,
+                image.height
+            );
         }
         let t = self.tile;
         let mut img = image.clone();

@@ -244,7 +244,13 @@ impl PromptInputs {
     /// The feature row that replaces the embedding of index `i` of prompt `p` (prompt image
     /// tokens only; a generated image token keeps its embedding).
     pub fn feature(&self, p: usize, i: usize) -> Option<&[f32]> {
-        let row = self.prompts.get(p)?.feature_rows.get(i).copied().flatten()?;
+        let row = self
+            .prompts
+            .get(p)?
+            .feature_rows
+            .get(i)
+            .copied()
+            .flatten()?;
         self.features.as_ref().map(|f| f.row(row))
     }
 

@@ -26,7 +26,11 @@ impl Model {
             Error::Unsupported("images for a model that is not a vision-language decoder".into())
         })?;
         if texts.len() != images.len() {
-            return invalid!("{} prompts but image lists for {}", texts.len(), images.len());
+            return invalid!(
+                "{} prompts but image lists for {}",
+                texts.len(),
+                images.len()
+            );
         }
         let token = vision
             .image_token_id
@@ -42,7 +46,11 @@ impl Model {
             }
             (false, Some(encoder)) => {
                 let processor = encoder.processor_with(overrides)?;
-                Some((encoder.encode_with(&all, &processor)?, processor, encoder.tokens_per_tile))
+                Some((
+                    encoder.encode_with(&all, &processor)?,
+                    processor,
+                    encoder.tokens_per_tile,
+                ))
             }
         };
         let mut prompts = vec![];

@@ -99,7 +99,9 @@ impl Qwen2VlProcessor {
         let factor = (self.patch_size * self.merge_size) as f64;
         let (h, w) = (height as f64, width as f64);
         if height == 0 || width == 0 {
-            return invalid!("an image of {width}x{height} pixels: width and height must be positive");
+            return invalid!(
+                "an image of {width}x{height} pixels: width and height must be positive"
+            );
         }
         if h.max(w) / h.min(w) > 200.0 {
             return invalid!(
@@ -175,7 +177,14 @@ impl Qwen2VlProcessor {
     /// Rescale and normalise (HWC): `(x * factor)` in f64 cast to f32, then `(x - mean) / std`
     /// in f32, as transformers' `rescale` and `normalize`.
     fn normalise(&self, image: &RgbImage) -> Vec<f32> {
-        normalise(image, self.do_rescale, self.rescale_factor, self.do_normalize, self.mean, self.std)
+        normalise(
+            image,
+            self.do_rescale,
+            self.rescale_factor,
+            self.do_normalize,
+            self.mean,
+            self.std,
+        )
     }
 }
 

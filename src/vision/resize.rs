@@ -17,7 +17,9 @@ impl RgbImage {
     /// An image from HWC RGB bytes.
     pub fn new(width: usize, height: usize, data: Vec<u8>) -> Result<RgbImage> {
         if width == 0 || height == 0 {
-            return invalid!("an image of {width}x{height} pixels: width and height must be positive");
+            return invalid!(
+                "an image of {width}x{height} pixels: width and height must be positive"
+            );
         }
         if data.len() != width * height * 3 {
             return invalid!(
@@ -59,7 +61,9 @@ impl RgbImage {
     pub fn crop(&self, x0: usize, y0: usize, x1: usize, y1: usize) -> RgbImage {
         let mut data = Vec::with_capacity((x1 - x0) * (y1 - y0) * 3);
         for y in y0..y1 {
-            data.extend_from_slice(&self.data[(y * self.width + x0) * 3..(y * self.width + x1) * 3]);
+            data.extend_from_slice(
+                &self.data[(y * self.width + x0) * 3..(y * self.width + x1) * 3],
+            );
         }
         RgbImage {
             width: x1 - x0,
@@ -236,9 +240,11 @@ pub fn resize(image: &RgbImage, width: usize, height: usize, filter: Filter) -> 
 fn nearest(image: &RgbImage, width: usize, height: usize) -> RgbImage {
     let mut data = Vec::with_capacity(width * height * 3);
     for y in 0..height {
-        let sy = (((y as f64 + 0.5) * image.height as f64 / height as f64) as usize).min(image.height - 1);
+        let sy = (((y as f64 + 0.5) * image.height as f64 / height as f64) as usize)
+            .min(image.height - 1);
         for x in 0..width {
-            let sx = (((x as f64 + 0.5) * image.width as f64 / width as f64) as usize).min(image.width - 1);
+            let sx = (((x as f64 + 0.5) * image.width as f64 / width as f64) as usize)
+                .min(image.width - 1);
             let at = (sy * image.width + sx) * 3;
             data.extend_from_slice(&image.data[at..at + 3]);
         }
@@ -259,7 +265,12 @@ mod tests {
         let img = RgbImage::new(3, 2, (0..18).map(|x| x as u8 * 10).collect()).unwrap();
         assert_eq!(resize(&img, 3, 2, Filter::Lanczos).unwrap(), img);
         let flat = RgbImage::new(5, 7, vec![77; 105]).unwrap();
-        for f in [Filter::Lanczos, Filter::Bicubic, Filter::Bilinear, Filter::Nearest] {
+        for f in [
+            Filter::Lanczos,
+            Filter::Bicubic,
+            Filter::Bilinear,
+            Filter::Nearest,
+        ] {
             let out = resize(&flat, 9, 4, f).unwrap();
             assert!(out.data.iter().all(|&v| v == 77), "{f:?}");
         }

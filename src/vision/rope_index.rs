@@ -85,7 +85,10 @@ pub fn rope_index(
         }
         let (gh, gw) = (h / m, w / m);
         let tokens = t * gh * gw;
-        if at + tokens > ids.len() || ids[at..at + tokens].iter().any(|&x| x != config.image_token_id)
+        if at + tokens > ids.len()
+            || ids[at..at + tokens]
+                .iter()
+                .any(|&x| x != config.image_token_id)
         {
             return invalid!(
                 "image {g} of the prompt has grid {grid:?} ({tokens} image tokens after merging) \

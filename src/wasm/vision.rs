@@ -42,13 +42,17 @@ pub(super) fn prompts_and_images(
     Ok((prompts, image_inputs(options)?))
 }
 
-fn json_object(v: &JsValue, name: &str) -> Result<serde_json::Map<String, serde_json::Value>, JsValue> {
-    let text = js_sys::JSON::stringify(v)?
-        .as_string()
-        .unwrap_or_default();
+fn json_object(
+    v: &JsValue,
+    name: &str,
+) -> Result<serde_json::Map<String, serde_json::Value>, JsValue> {
+    let text = js_sys::JSON::stringify(v)?.as_string().unwrap_or_default();
     match serde_json::from_str::<serde_json::Value>(&text) {
         Ok(serde_json::Value::Object(m)) => Ok(m),
-        _ => Err(invalid(format!("`{name}` must be an object, got {}", describe(v)))),
+        _ => Err(invalid(format!(
+            "`{name}` must be an object, got {}",
+            describe(v)
+        ))),
     }
 }
 
@@ -200,13 +204,19 @@ pub(super) fn image_inputs(options: &JsValue) -> Result<ImageInputs, JsValue> {
 
 fn numbers(v: &JsValue, name: &str) -> Result<Vec<i64>, JsValue> {
     let Some(a) = v.dyn_ref::<Array>() else {
-        return Err(invalid(format!("{name} must be a list of integers, got {}", describe(v))));
+        return Err(invalid(format!(
+            "{name} must be a list of integers, got {}",
+            describe(v)
+        )));
     };
     a.iter()
         .enumerate()
         .map(|(i, x)| match x.as_f64() {
             Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Ok(f as i64),
-            _ => Err(invalid(format!("{name}[{i}] must be an integer, got {}", describe(&x)))),
+            _ => Err(invalid(format!(
+                "{name}[{i}] must be an integer, got {}",
+                describe(&x)
+            ))),
         })
         .collect()
 }
@@ -221,7 +231,9 @@ fn features_of(v: &JsValue) -> Result<Features, JsValue> {
         let mut data = Vec::with_capacity(rows.len() * hidden);
         for (r, row) in rows.iter().enumerate() {
             let Some(a) = row.dyn_ref::<Array>() else {
-                return Err(invalid(format!("image_features[{r}] must be a list of numbers")));
+                return Err(invalid(format!(
+                    "image_features[{r}] must be a list of numbers"
+                )));
             };
             if a.length() as usize != hidden {
                 return Err(invalid(format!(
@@ -230,9 +242,11 @@ fn features_of(v: &JsValue) -> Result<Features, JsValue> {
                 )));
             }
             for x in a.iter() {
-                data.push(x.as_f64().ok_or_else(|| {
-                    invalid(format!("image_features[{r}] must hold numbers"))
-                })? as f32);
+                data.push(
+                    x.as_f64()
+                        .ok_or_else(|| invalid(format!("image_features[{r}] must hold numbers")))?
+                        as f32,
+                );
             }
         }
         return Features::new(rows.len(), hidden, data).map_err(js_error);

@@ -104,7 +104,11 @@ pub fn image(golden: &GoldenDir, name: &str) -> Result<RgbImage, String> {
 }
 
 /// The image inputs of a vision-language case.
-pub fn image_inputs(model: &Model, case: &Value, golden: &GoldenDir) -> Result<ImageInputs, String> {
+pub fn image_inputs(
+    model: &Model,
+    case: &Value,
+    golden: &GoldenDir,
+) -> Result<ImageInputs, String> {
     let vision = model
         .vision
         .as_ref()
@@ -123,7 +127,13 @@ pub fn image_inputs(model: &Model, case: &Value, golden: &GoldenDir) -> Result<I
                 let axes: Vec<Vec<i64>> = match &p["position_ids"] {
                     Value::Array(a) if a.first().is_some_and(|x| x.is_array()) => a
                         .iter()
-                        .map(|x| x.as_array().into_iter().flatten().filter_map(|v| v.as_i64()).collect())
+                        .map(|x| {
+                            x.as_array()
+                                .into_iter()
+                                .flatten()
+                                .filter_map(|v| v.as_i64())
+                                .collect()
+                        })
                         .collect(),
                     Value::Array(a) => vec![a.iter().filter_map(|v| v.as_i64()).collect()],
                     _ => return Err("a prompt has no position_ids".into()),
@@ -152,7 +162,9 @@ pub fn image_inputs(model: &Model, case: &Value, golden: &GoldenDir) -> Result<I
             }
             if images.is_empty() {
                 return Ok(ImageInputs {
-                    image_features: Some(Features::new(0, vision.hidden, vec![]).map_err(|e| e.to_string())?),
+                    image_features: Some(
+                        Features::new(0, vision.hidden, vec![]).map_err(|e| e.to_string())?,
+                    ),
                     ..Default::default()
                 });
             }
@@ -160,8 +172,12 @@ pub fn image_inputs(model: &Model, case: &Value, golden: &GoldenDir) -> Result<I
                 .as_object()
                 .cloned()
                 .unwrap_or_default();
-            let processor = encoder.processor_with(&overrides).map_err(|e| e.to_string())?;
-            let encoded = encoder.encode_with(&images, &processor).map_err(|e| e.to_string())?;
+            let processor = encoder
+                .processor_with(&overrides)
+                .map_err(|e| e.to_string())?;
+            let encoded = encoder
+                .encode_with(&images, &processor)
+                .map_err(|e| e.to_string())?;
             Ok(ImageInputs {
                 image_features: Some(encoded.features),
                 position_ids: None,
