@@ -11,6 +11,10 @@ const FILES = {
   tokenizer: true,
   tokenizer_config: false,
   chat_template: false,
+  // Vision-language models (transformers.js layout).
+  preprocessor_config: false,
+  embed_tokens: false,
+  vision_encoder: false,
 };
 
 function describe(v) {
@@ -184,6 +188,9 @@ export async function fetchModelFolder(base, variant, onProgress) {
     generation_config: [`${root}generation_config.json`],
     tokenizer_config: [`${root}tokenizer_config.json`],
     chat_template: [`${root}chat_template.jinja`],
+    preprocessor_config: [`${root}preprocessor_config.json`],
+    embed_tokens: [`${root}onnx/embed_tokens${suffix}.onnx`, `${root}embed_tokens${suffix}.onnx`],
+    vision_encoder: [`${root}onnx/vision_encoder${suffix}.onnx`, `${root}vision_encoder${suffix}.onnx`],
   };
   const required = { config: `${root}config.json`, tokenizer: `${root}tokenizer.json` };
   await Promise.all([

@@ -33,6 +33,11 @@ golden() {  # golden NAME [golden-tool options]: every case of a fixture's golde
 }
 for m in llama llama-genai gpt2 gpt2-nopos gpt2-merged t5; do golden "$m"; done
 golden t5 --split
+vlm() {  # vlm NAME stored|encoder: every case of a vision-language fixture
+  cargo run -q --example golden -- --model "tests/fixtures/vlm/models/$1" \
+    --cases "tests/fixtures/vlm/golden/$1.json" --images "$2" | tail -n 1 | sed "s/^/$1 $2: /"
+}
+for m in qwen2-vl smolvlm; do vlm "$m" stored; vlm "$m" encoder; done
 
 # The wasm tests build the core for wasm32 (release, +simd128): that is also the check that the
 # whole core builds for wasm32-unknown-unknown.

@@ -3,6 +3,8 @@
 //! machine advanced one step at a time (`step`), so a caller can yield to its event loop
 //! between steps and drop it to abort; `Model` stays untouched.
 
+use std::sync::Arc;
+
 use serde_json::{Map, Value};
 
 use crate::config::GenerationConfig;
@@ -14,6 +16,7 @@ use crate::processors::{Chain, ChainInputs, LogitsProcessor, RowContext};
 use crate::search;
 use crate::search::sampling::Sampler;
 use crate::tokenizer::TextStream;
+use crate::vision::{ImageInputs, PromptInputs};
 
 mod beams;
 
@@ -119,6 +122,8 @@ pub struct Generation {
     config: GenerationConfig,
     /// Encoder-decoder models: what the encoder reads (row `r` is prompt `r`).
     encoder: Option<EncoderInput>,
+    /// Vision-language decoders: each prompt's image features and positions.
+    prompt_inputs: Option<Arc<PromptInputs>>,
     chain: Chain,
     /// With `do_sample`: one seeded generator per row.
     sampler: Option<Sampler>,
@@ -142,9 +147,27 @@ impl Generation {
         options: &Map<String, Value>,
         custom: Vec<Box<dyn LogitsProcessor>>,
     ) -> Result<Generation> {
+        Self::with_images(model, prompts, &ImageInputs::default(), options, custom)
+    }
+
+    /// `new` for a vision-language decoder: `images` gives the features that replace the
+    /// prompts' image tokens and, optionally, the positions of each prompt (see
+    /// `crate::vision`).
+    pub fn with_images(
+        model: &Model,
+        prompts: &[Vec<u32>],
+        images: &ImageInputs,
+        options: &Map<String, Value>,
+        custom: Vec<Box<dyn LogitsProcessor>>,
+    ) -> Result<Generation> {
         let mut config = model.generation_config.clone();
         config.apply_options(options)?;
         if model.is_encoder_decoder() {
+            if *images != ImageInputs::default() {
+                return Err(Error::Unsupported(
+                    "image inputs for an encoder-decoder model".into(),
+                ));
+            }
             let start = config
                 .decoder_start_token_id
                 .or(model.decoder_start_token_id())
@@ -166,7 +189,7 @@ impl Generation {
             let encoder = EncoderInput::Ids(prompts.to_vec());
             return Self::with_config(model, Some(encoder), &decoder_prompts, config, custom);
         }
-        Self::with_config(model, None, prompts, config, custom)
+        Self::build(model, None, prompts, images, config, custom)
     }
 
     /// Prepare a request with the decoder prompts given; `encoder` is the encoder's input of an
@@ -175,6 +198,24 @@ impl Generation {
         model: &Model,
         encoder: Option<EncoderInput>,
         prompts: &[Vec<u32>],
+        config: GenerationConfig,
+        custom: Vec<Box<dyn LogitsProcessor>>,
+    ) -> Result<Generation> {
+        Self::build(
+            model,
+            encoder,
+            prompts,
+            &ImageInputs::default(),
+            config,
+            custom,
+        )
+    }
+
+    fn build(
+        model: &Model,
+        encoder: Option<EncoderInput>,
+        prompts: &[Vec<u32>],
+        images: &ImageInputs,
         config: GenerationConfig,
         custom: Vec<Box<dyn LogitsProcessor>>,
     ) -> Result<Generation> {
@@ -234,6 +275,19 @@ impl Generation {
                 );
             }
         }
+        let prompt_inputs = match &model.vision {
+            Some(vision) if encoder.is_none() => {
+                Some(Arc::new(PromptInputs::new(vision, prompts, images)?))
+            }
+            _ if *images != ImageInputs::default() => {
+                return Err(Error::Unsupported(
+                    "image features or position_ids for a model that is not a vision-language \
+                     decoder (its decoder reads input_ids)"
+                        .into(),
+                ));
+            }
+            _ => None,
+        };
         let inputs = ChainInputs {
             encoder_ids: match &encoder {
                 Some(EncoderInput::Ids(ids)) => Some(ids.clone()),
@@ -246,12 +300,14 @@ impl Generation {
             let beams = Some(beams::BeamRun::new(
                 model,
                 encoder.clone(),
+                prompt_inputs.clone(),
                 prompts,
                 &config,
             )?);
             return Ok(Generation {
                 config,
                 encoder,
+                prompt_inputs,
                 chain,
                 sampler: None,
                 stop_strings: None,
@@ -312,6 +368,7 @@ impl Generation {
         Ok(Generation {
             config,
             encoder,
+            prompt_inputs,
             chain,
             sampler,
             stop_strings,
@@ -371,7 +428,9 @@ impl Generation {
                 .map(|r| r / self.per_prompt.max(1))
                 .collect();
             let encoder = self.encoder.as_ref().map(|e| (e, rows_of.as_slice()));
-            self.groups[g].state = Some(model.start(rows_of.len(), capacity, encoder)?);
+            let prompts = self.prompt_inputs.as_ref().map(|p| (p, rows_of.as_slice()));
+            self.groups[g].state =
+                Some(model.start_rows(rows_of.len(), capacity, encoder, prompts)?);
         }
         let group = &mut self.groups[g];
         let state = group

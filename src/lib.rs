@@ -22,9 +22,11 @@ pub mod decoder;
 pub mod error;
 pub mod generate;
 pub mod model;
+pub mod npy;
 pub mod processors;
 pub mod search;
 pub mod tokenizer;
+pub mod vision;
 #[cfg(target_arch = "wasm32")]
 pub mod wasm;
 pub mod whisper;

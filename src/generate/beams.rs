@@ -13,6 +13,7 @@ use crate::processors::{Chain, RowContext};
 use crate::search::beam::{BeamSearch, BeamSettings, BeamStep, Finished, Hypothesis};
 use crate::search::log_sum_exp;
 use crate::tokenizer::TextStream;
+use crate::vision::PromptInputs;
 
 use super::{FinishReason, Sequence, TokenEvent};
 
@@ -47,6 +48,8 @@ pub(super) struct BeamRun {
     num_beams: usize,
     /// Encoder-decoder models: the encoder's input (row `p` is prompt `p`).
     encoder: Option<EncoderInput>,
+    /// Vision-language decoders: each prompt's image features and positions.
+    prompt_inputs: Option<std::sync::Arc<PromptInputs>>,
     prompts: Vec<Prompt>,
     groups: Vec<Group>,
 }
@@ -55,6 +58,7 @@ impl BeamRun {
     pub(super) fn new(
         model: &Model,
         encoder: Option<EncoderInput>,
+        prompt_inputs: Option<std::sync::Arc<PromptInputs>>,
         prompts: &[Vec<u32>],
         config: &GenerationConfig,
     ) -> Result<BeamRun> {
@@ -98,6 +102,7 @@ impl BeamRun {
         Ok(BeamRun {
             num_beams,
             encoder,
+            prompt_inputs,
             prompts,
             groups,
         })
@@ -131,7 +136,11 @@ impl BeamRun {
                 .max()
                 .unwrap_or(1);
             let encoder = self.encoder.as_ref().map(|e| (e, group.active.as_slice()));
-            group.state = Some(model.start(group.active.len(), capacity, encoder)?);
+            let inputs = self
+                .prompt_inputs
+                .as_ref()
+                .map(|p| (p, group.active.as_slice()));
+            group.state = Some(model.start_rows(group.active.len(), capacity, encoder, inputs)?);
         }
         let state = group
             .state

@@ -26,8 +26,15 @@ pub struct ModelFiles {
     pub encoder_external_data: Option<Vec<u8>>,
     pub first_decoder: Option<Vec<u8>>,
     pub first_decoder_external_data: Option<Vec<u8>>,
-    /// `preprocessor_config.json` (Whisper's feature extractor settings).
+    /// `preprocessor_config.json` (Whisper's feature extractor, a vision model's image
+    /// processor).
     pub preprocessor_config: Option<Vec<u8>>,
+    /// Vision-language models (transformers.js layout): `embed_tokens.onnx`, the embeddings
+    /// of a decoder that reads `inputs_embeds`, and `vision_encoder.onnx`.
+    pub embed_tokens: Option<Vec<u8>>,
+    pub embed_tokens_external_data: Option<Vec<u8>>,
+    pub vision_encoder: Option<Vec<u8>>,
+    pub vision_encoder_external_data: Option<Vec<u8>>,
 }
 
 /// How an encoder-decoder's decoder is laid out.
@@ -137,8 +144,18 @@ impl ModelFiles {
                 files.first_decoder_external_data = data;
                 candidates = vec![with_past];
             }
-            let pre = dir.join("preprocessor_config.json");
-            files.preprocessor_config = pre.is_file().then(|| read(&pre)).transpose()?;
+        }
+        let pre = dir.join("preprocessor_config.json");
+        files.preprocessor_config = pre.is_file().then(|| read(&pre)).transpose()?;
+        if let Some(path) = find(&with_variant("embed_tokens", variant)) {
+            let (_, bytes, data) = onnx(&path)?;
+            files.embed_tokens = Some(bytes);
+            files.embed_tokens_external_data = data;
+        }
+        if let Some(path) = find(&with_variant("vision_encoder", variant)) {
+            let (_, bytes, data) = onnx(&path)?;
+            files.vision_encoder = Some(bytes);
+            files.vision_encoder_external_data = data;
         }
         let onnx_path = candidates.iter().find_map(|c| find(c)).ok_or_else(|| {
             Error::Model(format!(

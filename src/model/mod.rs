@@ -1,6 +1,7 @@
 //! Loading a model from bytes: the ONNX graph (and its external data), `config.json`,
 //! `generation_config.json` and `tokenizer.json`.
 
+pub mod embeddings;
 pub mod files;
 pub mod onnx;
 pub mod ops;
@@ -14,6 +15,9 @@ use crate::config::GenerationConfig;
 use crate::decoder::{Decoder, DecoderState};
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
+use crate::vision::encoder::VisionEncoder;
+use crate::vision::{PromptInputs, RopeConfig, RowInputs, VisionConfig};
+use embeddings::Embedder;
 pub use files::{DecoderLayout, ModelFiles};
 pub use seq2seq::EncoderInput;
 use seq2seq::{Seq2Seq, Seq2SeqGraphs};
@@ -40,8 +44,13 @@ pub struct Model {
     /// transformers' `GenerationConfig.from_model_config` does).
     pub generation_config: GenerationConfig,
     pub tokenizer: Tokenizer,
-    /// `preprocessor_config.json`, when the model has one (Whisper).
+    /// `preprocessor_config.json`, when the model has one (Whisper, vision models).
     pub preprocessor_config: Option<serde_json::Value>,
+    /// A vision-language decoder (it reads `inputs_embeds`, or M-RoPE positions): its image
+    /// token, embedding width and position axes.
+    pub vision: Option<VisionConfig>,
+    /// `vision_encoder.onnx`, when the folder has one.
+    pub vision_encoder: Option<VisionEncoder>,
     engine: Engine,
 }
 
@@ -102,7 +111,44 @@ impl Model {
                 };
                 Engine::Seq2Seq(Arc::new(Seq2Seq::new(graphs, signature.clone(), vocab)?))
             }
-            None => Engine::Decoder(TractDecoder::new(&proto, signature.clone(), vocab)?),
+            None => {
+                let embed = match (&files.embed_tokens, signature.takes_ids) {
+                    (Some(bytes), false) => {
+                        let data = files.embed_tokens_external_data.as_deref();
+                        Some(Embedder::new(&onnx::decode(
+                            bytes,
+                            data,
+                            "embed_tokens.onnx",
+                        )?)?)
+                    }
+                    _ => None,
+                };
+                Engine::Decoder(TractDecoder::new(&proto, signature.clone(), vocab, embed)?)
+            }
+        };
+        let vision = match &engine {
+            Engine::Decoder(d) if !signature.takes_ids || signature.position_axes == 3 => {
+                let hidden = d.embedding_width().unwrap_or(0);
+                Some(VisionConfig {
+                    image_token_id: VisionConfig::image_token_id_of(&config),
+                    position_axes: if signature.position_axes == 3 { 3 } else { 1 },
+                    hidden,
+                    rope: RopeConfig::from_config(&config),
+                })
+            }
+            _ => None,
+        };
+        let vision_encoder = match (&files.vision_encoder, &vision) {
+            (Some(bytes), Some(_)) => {
+                let data = files.vision_encoder_external_data.as_deref();
+                let proto = onnx::decode(bytes, data, "vision_encoder.onnx")?;
+                Some(VisionEncoder::new(
+                    &proto,
+                    &config,
+                    preprocessor_config.as_ref(),
+                )?)
+            }
+            _ => None,
         };
         Ok(Model {
             signature,
@@ -110,6 +156,8 @@ impl Model {
             generation_config,
             tokenizer,
             preprocessor_config,
+            vision,
+            vision_encoder,
             engine,
         })
     }
@@ -133,8 +181,27 @@ impl Model {
         capacity: usize,
         encoder: Option<(&EncoderInput, &[usize])>,
     ) -> Result<Box<dyn DecoderState>> {
+        self.start_rows(rows, capacity, encoder, None)
+    }
+
+    /// `start`, where a vision-language decoder's row `r` continues prompt `prompt_of[r]` of
+    /// `prompts` (its image features and positions).
+    pub fn start_rows(
+        &self,
+        rows: usize,
+        capacity: usize,
+        encoder: Option<(&EncoderInput, &[usize])>,
+        prompts: Option<(&Arc<PromptInputs>, &[usize])>,
+    ) -> Result<Box<dyn DecoderState>> {
+        let row_inputs = prompts.map(|(inputs, prompt_of)| RowInputs {
+            inputs: inputs.clone(),
+            prompt_of: prompt_of.to_vec(),
+        });
         match (&self.engine, encoder) {
-            (Engine::Decoder(d), None) => d.start(rows, capacity),
+            (Engine::Decoder(d), None) => d.start_with(rows, capacity, row_inputs),
+            (Engine::Seq2Seq(_), Some(_)) if row_inputs.is_some() => Err(Error::Unsupported(
+                "image inputs for an encoder-decoder model".into(),
+            )),
             (Engine::Seq2Seq(s), Some((input, rows_of))) => {
                 if rows_of.len() != rows {
                     return Err(Error::InvalidInput(format!(

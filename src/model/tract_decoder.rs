@@ -10,13 +10,18 @@ use tract_onnx::prelude::*;
 use crate::cache::KvCache;
 use crate::decoder::{Decoder, DecoderState, Logits};
 use crate::error::{backend, Error, Result};
+use crate::model::embeddings::Embedder;
 use crate::model::onnx::specialize_bool_input;
-use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_INT32};
+use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32};
+use crate::vision::RowInputs;
 
 /// What the engine binds to each input of the plan, in the plan's order.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Role {
     Ids,
+    /// `inputs_embeds`: the step's ids embedded by `embed_tokens.onnx`, image features in
+    /// place of prompt image tokens.
+    Embeds,
     Mask,
     Positions,
     PastKey(usize),
@@ -50,14 +55,31 @@ struct Inner {
     /// keep symbolic; sequence and past lengths stay symbolic.
     plans: Mutex<HashMap<(usize, bool), Arc<Plan>>>,
     vocab: usize,
+    /// The token embeddings of a decoder that reads `inputs_embeds`.
+    embed: Option<Embedder>,
 }
 
 impl TractDecoder {
-    pub fn new(proto: &pb::ModelProto, sig: Arc<Signature>, vocab: usize) -> Result<Self> {
-        if !sig.takes_ids {
-            return Err(Error::Unsupported(
-                "decoders that take `inputs_embeds` need an embeddings model".into(),
+    /// `embed`: the embeddings model of a decoder that reads `inputs_embeds`.
+    pub fn new(
+        proto: &pb::ModelProto,
+        sig: Arc<Signature>,
+        vocab: usize,
+        embed: Option<Embedder>,
+    ) -> Result<Self> {
+        if !sig.takes_ids && embed.is_none() {
+            return Err(Error::Model(
+                "the decoder takes `inputs_embeds`: it needs its embeddings model \
+                 (embed_tokens.onnx)"
+                    .into(),
             ));
+        }
+        if !sig.takes_ids && sig.cache_mode != CacheMode::Append {
+            return Err(Error::Unsupported(format!(
+                "a decoder that takes `inputs_embeds` in the {} cache mode (supported: append, \
+                 a decoder with position_ids)",
+                sig.cache_mode.name()
+            )));
         }
         if sig.has_encoder_hidden_states {
             return Err(Error::Unsupported(
@@ -87,6 +109,7 @@ impl TractDecoder {
             first_template,
             plans: Mutex::new(HashMap::new()),
             vocab,
+            embed,
         }));
         // Compile the plan of one row now, so that a graph tract cannot run fails at load time.
         decoder.0.plan(1, false)?;
@@ -97,6 +120,48 @@ impl TractDecoder {
     /// decoder in `grow` mode): they do not depend on sequence or past lengths.
     pub fn plans(&self) -> usize {
         self.0.plans.lock().map(|p| p.len()).unwrap_or(0)
+    }
+
+    /// Width of the token embeddings of a decoder that reads `inputs_embeds`.
+    pub fn embedding_width(&self) -> Option<usize> {
+        self.0.embed.as_ref().map(|e| e.hidden)
+    }
+
+    /// A fresh state whose rows continue the prompts of `rows_inputs` (their image features
+    /// and positions); `None`: token embeddings and index positions.
+    pub fn start_with(
+        &self,
+        rows: usize,
+        capacity: usize,
+        row_inputs: Option<RowInputs>,
+    ) -> Result<Box<dyn DecoderState>> {
+        if let Some(ri) = &row_inputs {
+            if ri.prompt_of.len() != rows {
+                return Err(Error::Backend(format!(
+                    "{rows} rows but {} prompt rows",
+                    ri.prompt_of.len()
+                )));
+            }
+        }
+        let sig = &self.0.sig;
+        let capacity = match sig.cache_mode {
+            CacheMode::Grow => 0,
+            _ => capacity.max(1),
+        };
+        let cache = KvCache::new(
+            sig.layers.len(),
+            rows,
+            sig.kv_heads,
+            capacity,
+            sig.head_dim,
+            sig.kv_dtype,
+        )?;
+        Ok(Box::new(TractState {
+            decoder: self.0.clone(),
+            cache,
+            broken: false,
+            rows: row_inputs,
+        }))
     }
 }
 
@@ -114,7 +179,8 @@ impl Inner {
             (Some(t), true) => t,
             _ => &self.template,
         };
-        let plan = Arc::new(compile(template.clone(), &self.sig, batch)?);
+        let width = self.embed.as_ref().map(|e| e.hidden);
+        let plan = Arc::new(compile(template.clone(), &self.sig, batch, width)?);
         plans.insert((batch, first), plan.clone());
         Ok(plan)
     }
@@ -133,7 +199,13 @@ pub(crate) fn parse_graph(proto: &pb::ModelProto, sig: &Signature) -> Result<Inf
     })
 }
 
-fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<Plan> {
+/// `embed_width`: the width of `inputs_embeds`, for a decoder that reads them.
+fn compile(
+    mut model: InferenceModel,
+    sig: &Signature,
+    batch: usize,
+    embed_width: Option<usize>,
+) -> Result<Plan> {
     let b = TDim::from(batch);
     let s = TDim::from(model.symbols.sym("sequence"));
     let p = TDim::from(model.symbols.sym("past"));
@@ -157,6 +229,16 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
                 Role::Ids,
                 InferenceFact::dt_shape(id_dt, [b.clone(), s.clone()]),
             )
+        } else if name == "inputs_embeds" {
+            let dt = match sig.input(&name).map(|d| d.elem_type) {
+                Some(ONNX_FLOAT16) => f16::datum_type(),
+                _ => f32::datum_type(),
+            };
+            let width = TDim::from(embed_width.unwrap_or(0));
+            (
+                Role::Embeds,
+                InferenceFact::dt_shape(dt, [b.clone(), s.clone(), width]),
+            )
         } else if name == "attention_mask" {
             // in_place: the mask covers the valid positions of the longest row (new tokens
             // included), at most the buffer's length `past`.
@@ -173,15 +255,20 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
             };
             (Role::Mask, InferenceFact::dt_shape(dt, [b.clone(), total]))
         } else if name == "position_ids" {
-            if sig.position_axes != 2 {
-                return Err(Error::Unsupported(format!(
-                    "`position_ids` with {} axes (M-RoPE decoders need the vision-language path)",
-                    sig.position_axes
-                )));
-            }
+            let shape: TVec<TDim> = match sig.position_axes {
+                2 => tvec![b.clone(), s.clone()],
+                // M-RoPE: temporal, height and width positions.
+                3 => tvec![TDim::from(3), b.clone(), s.clone()],
+                n => {
+                    return Err(Error::Unsupported(format!(
+                        "`position_ids` with {n} axes (supported: [batch, sequence], and \
+                         [3, batch, sequence] for M-RoPE)"
+                    )))
+                }
+            };
             (
                 Role::Positions,
-                InferenceFact::dt_shape(i64::datum_type(), [b.clone(), s.clone()]),
+                InferenceFact::dt_shape(i64::datum_type(), shape),
             )
         } else if let Some(l) = sig.layers.iter().position(|l| l.past_key == name) {
             let shape = [b.clone(), heads.clone(), p.clone(), dim.clone()];
@@ -191,8 +278,8 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
             (Role::PastValue(l), InferenceFact::dt_shape(kv_dt, shape))
         } else {
             return Err(Error::Unsupported(format!(
-                "the decoder input `{name}` (the engine binds input_ids, attention_mask, \
-                 position_ids, past_key_values.N.key|value and use_cache_branch)"
+                "the decoder input `{name}` (the engine binds input_ids or inputs_embeds, \
+                 attention_mask, position_ids, past_key_values.N.key|value and use_cache_branch)"
             )));
         };
         model.set_input_fact(ix, fact).map_err(backend)?;
@@ -266,24 +353,7 @@ impl Decoder for TractDecoder {
     }
 
     fn start(&self, rows: usize, capacity: usize) -> Result<Box<dyn DecoderState>> {
-        let sig = &self.0.sig;
-        let capacity = match sig.cache_mode {
-            CacheMode::Grow => 0,
-            _ => capacity.max(1),
-        };
-        let cache = KvCache::new(
-            sig.layers.len(),
-            rows,
-            sig.kv_heads,
-            capacity,
-            sig.head_dim,
-            sig.kv_dtype,
-        )?;
-        Ok(Box::new(TractState {
-            decoder: self.0.clone(),
-            cache,
-            broken: false,
-        }))
+        self.start_with(rows, capacity, None)
     }
 }
 
@@ -293,6 +363,8 @@ struct TractState {
     cache: KvCache,
     /// A failed in_place step lost the buffers it had handed to the graph.
     broken: bool,
+    /// The prompt of each row and the request's image features and positions.
+    rows: Option<RowInputs>,
 }
 
 impl DecoderState for TractState {
@@ -322,7 +394,11 @@ impl DecoderState for TractState {
     }
 
     fn reorder(&mut self, parents: &[usize]) -> Result<()> {
-        self.cache.reorder(parents)
+        self.cache.reorder(parents)?;
+        if let Some(rows) = &mut self.rows {
+            rows.reorder(parents);
+        }
+        Ok(())
     }
 
     fn lengths(&self) -> &[usize] {
@@ -359,14 +435,24 @@ impl TractState {
         let cap = self.cache.capacity();
         let mut ids = vec![0i64; rows * seq];
         let mut mask = vec![0i64; rows * (cap + seq)];
-        let mut positions = vec![0i64; rows * seq];
+        let axes = if self.decoder.sig.position_axes == 3 {
+            3
+        } else {
+            1
+        };
+        let mut positions = vec![0i64; axes * rows * seq];
         for r in 0..rows {
             let len = self.cache.lengths[r];
             for (j, &t) in tokens[r].iter().enumerate() {
                 ids[r * seq + j] = t as i64;
             }
-            for j in 0..seq {
-                positions[r * seq + j] = (len + j) as i64;
+            for a in 0..axes {
+                for j in 0..seq {
+                    positions[(a * rows + r) * seq + j] = match &self.rows {
+                        Some(ri) => ri.inputs.position(ri.prompt_of[r], a, len + j),
+                        None => (len + j) as i64,
+                    };
+                }
             }
             let m = &mut mask[r * (cap + seq)..(r + 1) * (cap + seq)];
             m[..len].fill(1);
@@ -376,7 +462,7 @@ impl TractState {
             m[cap..].fill(1);
         }
         let plan = self.decoder.plan(rows, false)?;
-        let outputs = self.run(&plan, rows, seq, ids, mask, positions)?;
+        let outputs = self.run(&plan, counts, ids, mask, positions)?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             self.cache
                 .append(l, &outputs[k], &outputs[v], cap, counts)?;
@@ -416,7 +502,7 @@ impl TractState {
         let plan = self.decoder.plan(rows, false)?;
         // The graph owns the buffers while it runs; a failure loses them.
         self.broken = true;
-        let outputs = self.run(&plan, rows, seq, ids, mask, vec![])?;
+        let outputs = self.run(&plan, counts, ids, mask, vec![])?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             let key = outputs[k].clone().into_arc_tensor();
             let value = outputs[v].clone().into_arc_tensor();
@@ -443,7 +529,7 @@ impl TractState {
             .collect();
         let mask = vec![1i64; rows * (len + seq)];
         let plan = self.decoder.plan(rows, len == 0)?;
-        let outputs = self.run(&plan, rows, seq, ids, mask, vec![])?;
+        let outputs = self.run(&plan, &vec![seq; rows], ids, mask, vec![])?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             let key = outputs[k].clone().into_arc_tensor();
             let value = outputs[v].clone().into_arc_tensor();
@@ -453,16 +539,18 @@ impl TractState {
         last_logits(&outputs[plan.logits], &vec![seq; rows], self.decoder.vocab)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Run `plan` on `ids` (`rows x seq`, each row's `counts[r]` tokens then padding), before
+    /// the cache lengths advance.
     fn run(
         &mut self,
         plan: &Plan,
-        rows: usize,
-        seq: usize,
+        counts: &[usize],
         ids: Vec<i64>,
         mask: Vec<i64>,
         positions: Vec<i64>,
     ) -> Result<TVec<TValue>> {
+        let rows = counts.len();
+        let seq = ids.len() / rows.max(1);
         let mut inputs: TVec<TValue> = tvec![];
         let in_place = self.decoder.sig.cache_mode == CacheMode::InPlace;
         let empty = Arc::new(Tensor::zero::<f32>(&[0]).map_err(backend)?);
@@ -475,7 +563,16 @@ impl TractState {
                 .datum_type;
             let v: TValue = match role {
                 Role::Ids => int_tensor(&ids, &[rows, seq], fact_dt)?.into(),
+                Role::Embeds => self
+                    .embeddings(&ids, counts, seq)?
+                    .cast_to_dt(fact_dt)
+                    .map_err(backend)?
+                    .into_owned()
+                    .into(),
                 Role::Mask => int_tensor(&mask, &[rows, mask.len() / rows.max(1)], fact_dt)?.into(),
+                Role::Positions if positions.len() == 3 * rows * seq => {
+                    int_tensor(&positions, &[3, rows, seq], fact_dt)?.into()
+                }
                 Role::Positions => int_tensor(&positions, &[rows, seq], fact_dt)?.into(),
                 Role::PastKey(l) | Role::PastValue(l) if in_place => {
                     // Hand the buffer over (the graph writes into it and returns it).
@@ -497,6 +594,30 @@ impl TractState {
             inputs.push(v);
         }
         plan.runnable.run(inputs).map_err(backend)
+    }
+}
+
+impl TractState {
+    /// The embeddings of a step's ids, `[rows, seq, hidden]`: the embeddings model's, with the
+    /// rows of image features in place of the prompt's image tokens.
+    fn embeddings(&self, ids: &[i64], counts: &[usize], seq: usize) -> Result<Tensor> {
+        let embed = self.decoder.embed.as_ref().ok_or_else(|| {
+            Error::Model("the decoder takes `inputs_embeds` but has no embeddings model".into())
+        })?;
+        let mut data = embed.embed(ids, counts.len(), seq)?;
+        let hidden = embed.hidden;
+        if let Some(ri) = &self.rows {
+            for (r, &count) in counts.iter().enumerate() {
+                let len = self.cache.lengths[r];
+                for j in 0..count {
+                    if let Some(f) = ri.inputs.feature(ri.prompt_of[r], len + j) {
+                        let at = (r * seq + j) * hidden;
+                        data[at..at + hidden].copy_from_slice(f);
+                    }
+                }
+            }
+        }
+        Tensor::from_shape(&[counts.len(), seq, hidden], &data).map_err(backend)
     }
 }
 
@@ -560,7 +681,7 @@ mod tests {
         let config: serde_json::Value = serde_json::from_slice(&files.config).unwrap();
         let sig = Arc::new(Signature::read(&proto, &config).unwrap());
         assert_eq!(sig.cache_mode, CacheMode::InPlace);
-        let decoder = TractDecoder::new(&proto, sig.clone(), 512).unwrap();
+        let decoder = TractDecoder::new(&proto, sig.clone(), 512, None).unwrap();
         let cache = KvCache::new(
             sig.layers.len(),
             2,
@@ -574,6 +695,7 @@ mod tests {
             decoder: decoder.0.clone(),
             cache,
             broken: false,
+            rows: None,
         }
     }
 

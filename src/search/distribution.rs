@@ -62,10 +62,21 @@ impl Model {
                 config.new_token_budget(prompt.len()).max(1),
             ),
         };
-        let mut state = self.start(
+        // A vision-language decoder: index positions, and an error for image tokens (they
+        // need image features, which this function does not take).
+        let prompt_inputs = match (&self.vision, &encoder) {
+            (Some(v), None) => Some(std::sync::Arc::new(crate::vision::PromptInputs::new(
+                v,
+                &[prompt.to_vec()],
+                &Default::default(),
+            )?)),
+            _ => None,
+        };
+        let mut state = self.start_rows(
             1,
             ids.len() + 1,
             encoder.as_ref().map(|e| (e, &[0usize][..])),
+            prompt_inputs.as_ref().map(|p| (p, &[0usize][..])),
         )?;
         // Feed the tokens in power-of-two chunks, as the generation loop does.
         let mut fed = 0;

@@ -5,6 +5,7 @@
 
 mod processors;
 mod types;
+mod vision;
 
 use std::rc::Rc;
 
@@ -114,6 +115,9 @@ fn model_from_bytes(bytes: &JsValue) -> Result<JsModel, JsValue> {
         config: required("config")?,
         generation_config: file("generation_config"),
         tokenizer: required("tokenizer")?,
+        preprocessor_config: file("preprocessor_config"),
+        embed_tokens: file("embed_tokens"),
+        vision_encoder: file("vision_encoder"),
         ..ModelFiles::default()
     };
     let model = Model::load(&files).map_err(js_error)?;
@@ -381,7 +385,11 @@ fn parse_options(options: &JsValue) -> Result<Options, JsValue> {
     let rest = Object::new();
     for key in Object::keys(options.unchecked_ref::<Object>()).iter() {
         let name = key.as_string().unwrap_or_default();
-        if name == "on_token" || name == "signal" || name == processors::OPTION {
+        if name == "on_token"
+            || name == "signal"
+            || name == processors::OPTION
+            || vision::OPTION_NAMES.contains(&name.as_str())
+        {
             continue;
         }
         let value = get(options, &name);
@@ -476,14 +484,15 @@ fn output_to_js(out: &Output) -> Result<JsValue, JsValue> {
 }
 
 /// One request: step the generation, sending events, yielding to the event loop between steps.
-async fn run(inner: &Loaded, input: &JsValue, options: &JsValue) -> Result<JsValue, JsValue> {
-    let options = parse_options(options)?;
-    let prompts = prompts_of(inner, input)?;
+async fn run(inner: &Loaded, input: &JsValue, js_options: &JsValue) -> Result<JsValue, JsValue> {
+    let options = parse_options(js_options)?;
+    let (prompts, images) = vision::prompts_and_images(inner, input, js_options)?;
     let model = &inner.model;
     let thrown = processors::Thrown::default();
     let custom = processors::parse(&options.logits_processor, &thrown).map_err(js_error)?;
     let mut generation =
-        Generation::new(model, &prompts, &options.generation, custom).map_err(js_error)?;
+        Generation::with_images(model, &prompts, &images, &options.generation, custom)
+            .map_err(js_error)?;
     loop {
         if is_aborted(&options.signal) {
             // Stop and release the cache now; the result keeps the tokens so far.

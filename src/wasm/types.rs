@@ -26,6 +26,12 @@ export interface ModelFileSources {
   chat_template?: FileSource;
   /** Name of the ONNX file, used in messages (default: taken from the URL or File name). */
   model_name?: string;
+  /** Vision-language models: `preprocessor_config.json` (the image processor's settings). */
+  preprocessor_config?: FileSource;
+  /** Vision-language models: `onnx/embed_tokens.onnx` (a decoder that reads inputs_embeds). */
+  embed_tokens?: FileSource;
+  /** Vision-language models: `onnx/vision_encoder.onnx`. */
+  vision_encoder?: FileSource;
 }
 
 /** Progress of one file while loading. */
@@ -49,7 +55,9 @@ export interface LoadOptions {
 /** One chat message, as transformers' `apply_chat_template` takes it. */
 export interface ChatMessage {
   role: "system" | "user" | "assistant" | "tool" | string;
-  content: string;
+  /** Text, or parts: `{type: "text", text}` and, for a vision-language model, `{type: "image",
+   * image}` with an `ImageData` or `{data, width, height}` (RGBA bytes). */
+  content: string | ChatContentPart[];
   [key: string]: unknown;
 }
 
@@ -77,6 +85,11 @@ export type LogitsProcessor = (tokenIds: Uint32Array, logits: Float32Array) => v
  * (snake_case, as transformers names them) override the model's generation config for this
  * request. An unknown name rejects with an Error that lists the valid ones.
  */
+/** A part of a chat message's content. */
+export type ChatContentPart =
+  | { type: "text"; text: string }
+  | { type: "image"; image?: ImageData | { data: Uint8Array | Uint8ClampedArray; width: number; height: number } };
+
 export interface GenerateOptions {
   /** Maximum number of new tokens (at least 1). */
   max_new_tokens?: number | null;
@@ -156,6 +169,18 @@ export interface GenerateOptions {
    * usable and the request's memory is released.
    */
   signal?: AbortSignal;
+  /**
+   * Vision-language models: the rows that replace the prompts' image tokens (those of prompt 0
+   * in order, then prompt 1's, ...): a tensor `{data: Float32Array, dims: [rows, hidden]}` (a
+   * transformers.js Tensor works) or a list of rows.
+   */
+  image_features?: { data: Float32Array; dims: number[] } | number[][];
+  /** Vision-language models: per prompt, its positions (or 3 lists for M-RoPE). */
+  position_ids?: (number[] | number[][])[];
+  /** Qwen2-VL: `[t, h, w]` per image; the engine computes the M-RoPE positions from it. */
+  image_grid_thw?: number[][];
+  /** Chat input with images: settings of preprocessor_config.json to override. */
+  processor_options?: Record<string, unknown>;
   [field: string]: unknown;
 }
 

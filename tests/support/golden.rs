@@ -2,6 +2,11 @@
 //! Shared by the integration tests and `examples/golden.rs`.
 #![allow(dead_code)]
 
+use std::path::{Path, PathBuf};
+
+use onnx_generate::npy::{NpyArray, NpyData};
+use onnx_generate::vision::resize::RgbImage;
+use onnx_generate::vision::{Features, ImageInputs, PositionIds};
 use onnx_generate::{Error, Generation, Model};
 use serde_json::Value;
 
@@ -45,11 +50,172 @@ pub fn has_tag(case: &Value, tag: &str) -> bool {
         .is_some_and(|t| t.iter().any(|x| x == tag))
 }
 
+/// Where the image features of a vision-language case come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageSource {
+    /// The case's stored `image_features` and the prompts' stored `position_ids`.
+    Stored,
+    /// The engine's preprocessing and `vision_encoder.onnx` on the raw images, and positions
+    /// computed by the engine (Qwen2-VL's `get_rope_index` from the image grids).
+    Encoder,
+}
+
+/// A golden file's folder (array paths are relative to it) and its `images` table.
+#[derive(Debug, Clone)]
+pub struct GoldenDir {
+    pub dir: PathBuf,
+    pub images: Value,
+    pub source: ImageSource,
+}
+
+impl GoldenDir {
+    pub fn new(golden_file: &Path, golden: &Value, source: ImageSource) -> GoldenDir {
+        GoldenDir {
+            dir: golden_file.parent().unwrap_or(Path::new(".")).to_path_buf(),
+            images: golden["images"].clone(),
+            source,
+        }
+    }
+}
+
+/// Read an array of a case (`arrays.NAME`), relative to the golden file's folder.
+pub fn array(dir: &Path, case: &Value, name: &str) -> Result<NpyArray, String> {
+    let file = case["arrays"][name]["file"]
+        .as_str()
+        .ok_or_else(|| format!("the case has no array `{name}`"))?;
+    read_npy(&dir.join(file))
+}
+
+pub fn read_npy(path: &Path) -> Result<NpyArray, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    NpyArray::parse(&bytes, &path.display().to_string()).map_err(|e| e.to_string())
+}
+
+/// A raw image of the golden file (`images.NAME`: uint8 HWC RGB).
+pub fn image(golden: &GoldenDir, name: &str) -> Result<RgbImage, String> {
+    let file = golden.images[name]["file"]
+        .as_str()
+        .ok_or_else(|| format!("no image `{name}` in the golden file"))?;
+    let a = read_npy(&golden.dir.join(file))?;
+    let (NpyData::U8(data), [h, w, 3]) = (a.data, a.shape.as_slice()) else {
+        return Err(format!("image {name} is not uint8 [h, w, 3]"));
+    };
+    RgbImage::new(*w, *h, data).map_err(|e| e.to_string())
+}
+
+/// The image inputs of a vision-language case.
+pub fn image_inputs(
+    model: &Model,
+    case: &Value,
+    golden: &GoldenDir,
+) -> Result<ImageInputs, String> {
+    let vision = model
+        .vision
+        .as_ref()
+        .ok_or("the model is not a vision-language decoder")?;
+    let prompts = case["prompts"].as_array().cloned().unwrap_or_default();
+    match golden.source {
+        ImageSource::Stored => {
+            let a = array(&golden.dir, case, "image_features")?;
+            let [rows, hidden] = a.shape[..] else {
+                return Err(format!("image_features has shape {:?}", a.shape));
+            };
+            let data = a.into_f32("image_features").map_err(|e| e.to_string())?;
+            let features = Features::new(rows, hidden, data).map_err(|e| e.to_string())?;
+            let mut positions = vec![];
+            for p in &prompts {
+                let axes: Vec<Vec<i64>> = match &p["position_ids"] {
+                    Value::Array(a) if a.first().is_some_and(|x| x.is_array()) => a
+                        .iter()
+                        .map(|x| {
+                            x.as_array()
+                                .into_iter()
+                                .flatten()
+                                .filter_map(|v| v.as_i64())
+                                .collect()
+                        })
+                        .collect(),
+                    Value::Array(a) => vec![a.iter().filter_map(|v| v.as_i64()).collect()],
+                    _ => return Err("a prompt has no position_ids".into()),
+                };
+                let len = axes.first().map(|a| a.len()).unwrap_or(0);
+                positions.push(
+                    PositionIds::new(axes.len(), len, axes.concat()).map_err(|e| e.to_string())?,
+                );
+            }
+            Ok(ImageInputs {
+                image_features: Some(features),
+                position_ids: Some(positions),
+                image_grid_thw: None,
+            })
+        }
+        ImageSource::Encoder => {
+            let encoder = model
+                .vision_encoder
+                .as_ref()
+                .ok_or("the model has no vision_encoder.onnx")?;
+            let mut images = vec![];
+            for p in &prompts {
+                for name in p["images"].as_array().into_iter().flatten() {
+                    images.push(image(golden, name.as_str().unwrap_or("?"))?);
+                }
+            }
+            if images.is_empty() {
+                return Ok(ImageInputs {
+                    image_features: Some(
+                        Features::new(0, vision.hidden, vec![]).map_err(|e| e.to_string())?,
+                    ),
+                    ..Default::default()
+                });
+            }
+            let overrides = case["request"]["processor_overrides"]
+                .as_object()
+                .cloned()
+                .unwrap_or_default();
+            let processor = encoder
+                .processor_with(&overrides)
+                .map_err(|e| e.to_string())?;
+            let encoded = encoder
+                .encode_with(&images, &processor)
+                .map_err(|e| e.to_string())?;
+            Ok(ImageInputs {
+                image_features: Some(encoded.features),
+                position_ids: None,
+                image_grid_thw: (!encoded.grids.is_empty()).then_some(encoded.grids),
+            })
+        }
+    }
+}
+
 /// Run one case.
 pub fn run_case(model: &Model, case: &Value) -> CaseResult {
+    run_case_in(model, case, None)
+}
+
+/// Run one case; `golden` gives the folder and image source of vision-language cases (those
+/// with `arrays`).
+pub fn run_case_in(model: &Model, case: &Value, golden: Option<&GoldenDir>) -> CaseResult {
     let id = case["id"].as_str().unwrap_or("?").to_owned();
+    let images = match (case.get("arrays"), golden) {
+        (Some(_), Some(g)) => match image_inputs(model, case, g) {
+            Ok(i) => i,
+            Err(e) => {
+                return CaseResult {
+                    id,
+                    outcome: Outcome::Failed(format!("image inputs: {e}")),
+                }
+            }
+        },
+        (Some(_), None) => {
+            return CaseResult {
+                id,
+                outcome: Outcome::Failed("a vision-language case needs its golden folder".into()),
+            }
+        }
+        _ => ImageInputs::default(),
+    };
     let outcome = match case["kind"].as_str() {
-        Some("generate") => run_generate(model, case),
+        Some("generate") => run_generate(model, case, &images),
         Some("sampling_distribution") => run_distribution(model, case),
         Some(kind) => Outcome::Skipped(format!("case kind `{kind}`")),
         None => Outcome::Failed("the case has no kind".into()),
@@ -84,7 +250,7 @@ fn floats(v: &Value) -> Option<Vec<f32>> {
     })
 }
 
-fn run_generate(model: &Model, case: &Value) -> Outcome {
+fn run_generate(model: &Model, case: &Value, images: &ImageInputs) -> Outcome {
     let mut options = case["generation_kwargs"]
         .as_object()
         .cloned()
@@ -94,7 +260,7 @@ fn run_generate(model: &Model, case: &Value) -> Outcome {
         options.insert("output_scores".into(), true.into());
     }
     let prompts = prompts(case);
-    let mut generation = match Generation::new(model, &prompts, &options, vec![]) {
+    let mut generation = match Generation::with_images(model, &prompts, images, &options, vec![]) {
         Ok(g) => g,
         Err(Error::Unsupported(m)) => return Outcome::Skipped(m),
         Err(e) => return Outcome::Failed(format!("error: {e}")),
