@@ -87,7 +87,7 @@ fn files(root: &Path, variant: &str) -> Res<ModelFiles> {
 
 fn bench(root: &Path, variant: &str, long: bool) -> Res<()> {
     let t = Instant::now();
-    let model = Model::load(&files(root, variant)?)?;
+    let model = Model::load_owned(files(root, variant)?)?;
     let load = t.elapsed().as_secs_f64();
     let prompt = model.tokenizer.encode(
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",

@@ -1,6 +1,7 @@
 //! SmolLM2-135M-Instruct as people ship it: the onnxruntime-genai int4 build (GroupQueryAttention,
 //! MatMulNBits, GatherBlockQuantized; the in_place cache) and transformers.js' `model_q4.onnx`
-//! (MatMulNBits) and `model_quantized.onnx` (MatMulInteger / DynamicQuantizeLinear). Each answers
+//! (MatMulNBits), `model_quantized.onnx` (MatMulInteger / DynamicQuantizeLinear) and
+//! `model_fp16.onnx` (f16 weights, f32 arithmetic). Each answers
 //! "What is the capital of France?" with "Paris", and its first 32 greedy ids equal onnxruntime's
 //! on the same file (tests/fixtures/real/smollm2.json, made by scripts/real_reference.py).
 //!
@@ -107,5 +108,14 @@ fn smollm2_model_q4() {
 fn smollm2_model_quantized_int8() {
     check("model_quantized", "model", |root| {
         ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("quantized")).unwrap()
+    });
+}
+
+/// The float16 export runs in f32 with its matmul and embedding weights kept in f16
+/// (`model::weights`), and answers as onnxruntime does on the same file.
+#[test]
+fn smollm2_model_fp16() {
+    check("model_fp16", "model_fp16", |root| {
+        ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("fp16")).unwrap()
     });
 }

@@ -8,6 +8,7 @@ pub mod ops;
 pub mod seq2seq;
 pub mod signature;
 pub mod tract_decoder;
+pub mod weights;
 
 use std::sync::Arc;
 
@@ -57,6 +58,20 @@ pub struct Model {
 impl Model {
     /// Load a model from the bytes of its files.
     pub fn load(files: &ModelFiles) -> Result<Model> {
+        Self::load_from(files, None)
+    }
+
+    /// Load a model from its files, releasing the bytes of the decoder graph (and its external
+    /// data) as soon as they are decoded: the peak memory of loading holds one copy of the
+    /// weights less than `load`.
+    pub fn load_owned(mut files: ModelFiles) -> Result<Model> {
+        let graph = std::mem::take(&mut files.model);
+        let external = files.external_data.take();
+        Self::load_from(&files, Some((graph, external)))
+    }
+
+    /// `owned`: the decoder graph's bytes and external data, taken out of `files`.
+    fn load_from(files: &ModelFiles, owned: Option<(Vec<u8>, Option<Vec<u8>>)>) -> Result<Model> {
         let config: serde_json::Value = serde_json::from_slice(&files.config)
             .map_err(|e| Error::Model(format!("config.json is not valid JSON: {e}")))?;
         if !config.is_object() {
@@ -67,11 +82,17 @@ impl Model {
             None => GenerationConfig::from_model_json(&files.config)?,
         };
         let tokenizer = Tokenizer::from_bytes(&files.tokenizer)?;
-        let proto = onnx::decode(
-            &files.model,
-            files.external_data.as_deref(),
-            &files.model_name,
-        )?;
+        let proto = match owned {
+            // Dropped at the end of this arm, before tract reads the graph.
+            Some((graph, external)) => {
+                onnx::decode(&graph, external.as_deref(), &files.model_name)?
+            }
+            None => onnx::decode(
+                &files.model,
+                files.external_data.as_deref(),
+                &files.model_name,
+            )?,
+        };
         let signature = Arc::new(Signature::read(&proto, &config)?);
         let vocab = logits_width(&signature, &config)?;
         if tokenizer.vocab_size() > vocab {
@@ -123,7 +144,7 @@ impl Model {
                     }
                     _ => None,
                 };
-                Engine::Decoder(TractDecoder::new(&proto, signature.clone(), vocab, embed)?)
+                Engine::Decoder(TractDecoder::new(proto, signature.clone(), vocab, embed)?)
             }
         };
         let vision = match &engine {

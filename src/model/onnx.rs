@@ -25,6 +25,7 @@ pub fn decode(bytes: &[u8], external: Option<&[u8]>, file_name: &str) -> Result<
         return Err(Error::Model(format!("{file_name} contains an empty graph")));
     }
     inline_external_data(graph, external, file_name)?;
+    super::weights::rewrite(&mut proto)?;
     Ok(proto)
 }
 

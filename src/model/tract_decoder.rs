@@ -26,7 +26,12 @@ enum Role {
     Positions,
     PastKey(usize),
     PastValue(usize),
+    /// `[rows, 1]`: the position of each row's last token in the step (`LAST_POSITIONS`).
+    LastPositions,
 }
+
+/// The input added by `logits_of_last_positions`.
+const LAST_POSITIONS: &str = "onnx_generate_last_positions";
 
 /// One compiled graph and the positions of what we bind and read.
 #[derive(Debug)]
@@ -62,7 +67,7 @@ struct Inner {
 impl TractDecoder {
     /// `embed`: the embeddings model of a decoder that reads `inputs_embeds`.
     pub fn new(
-        proto: &pb::ModelProto,
+        mut proto: pb::ModelProto,
         sig: Arc<Signature>,
         vocab: usize,
         embed: Option<Embedder>,
@@ -88,20 +93,27 @@ impl TractDecoder {
                     .into(),
             ));
         }
+        // A merged decoder is specialised into its branches (the `grow` mode's first step
+        // takes the no-cache one); each graph is parsed, then its protobuf dropped.
         let (template, first_template) = if sig.has_use_cache_branch {
-            let mut with_cache = proto.clone();
+            let no_cache = (sig.cache_mode == CacheMode::Grow).then(|| proto.clone());
+            let mut with_cache = proto;
             specialize_bool_input(&mut with_cache, "use_cache_branch", true)?;
+            logits_of_last_positions(&mut with_cache, &sig.logits_name);
             let template = parse_graph(&with_cache, &sig)?;
-            let first = if sig.cache_mode == CacheMode::Grow {
-                let mut no_cache = proto.clone();
-                specialize_bool_input(&mut no_cache, "use_cache_branch", false)?;
-                Some(parse_graph(&no_cache, &sig)?)
-            } else {
-                None
+            drop(with_cache);
+            let first = match no_cache {
+                Some(mut no_cache) => {
+                    specialize_bool_input(&mut no_cache, "use_cache_branch", false)?;
+                    logits_of_last_positions(&mut no_cache, &sig.logits_name);
+                    Some(parse_graph(&no_cache, &sig)?)
+                }
+                None => None,
             };
             (template, first)
         } else {
-            (parse_graph(proto, &sig)?, None)
+            logits_of_last_positions(&mut proto, &sig.logits_name);
+            (parse_graph(&proto, &sig)?, None)
         };
         let decoder = TractDecoder(Arc::new(Inner {
             sig,
@@ -144,9 +156,14 @@ impl TractDecoder {
             }
         }
         let sig = &self.0.sig;
+        // `append` hands the whole buffer to the graph as its past, and the graph's attention
+        // and its `Concat` of past and new positions cost as much as the buffer is long: the
+        // buffer starts empty and doubles as the rows grow (`KvCache::reserve`), so it stays
+        // within twice the longest row. `in_place` attends only to each row's valid positions.
         let capacity = match sig.cache_mode {
             CacheMode::Grow => 0,
-            _ => capacity.max(1),
+            CacheMode::Append => 1,
+            CacheMode::InPlace => capacity.max(1),
         };
         let cache = KvCache::new(
             sig.layers.len(),
@@ -184,6 +201,87 @@ impl Inner {
         plans.insert((batch, first), plan.clone());
         Ok(plan)
     }
+}
+
+/// Make the graph compute the logits of one position per row, the one the engine reads: the
+/// `lm_head` input `[rows, seq, hidden]` goes through `GatherND(batch_dims=1)` with a new input
+/// `LAST_POSITIONS` (`[rows, 1]`), so a prompt of `n` tokens computes one row of logits instead
+/// of `n` (the `lm_head` is the largest matmul). Left as it is when the logits do not come
+/// straight from a matmul of the hidden states.
+fn logits_of_last_positions(proto: &mut pb::ModelProto, logits: &str) {
+    let Some(graph) = proto.graph.as_mut() else {
+        return;
+    };
+    let lm_head = [
+        "MatMul",
+        "MatMulNBits",
+        crate::model::weights::MATMUL_WEIGHTS,
+    ];
+    let producer = |name: &str| {
+        graph
+            .node
+            .iter()
+            .position(|n| n.output.first().map(String::as_str) == Some(name))
+    };
+    // Through the `Identity` that an inlined branch ends with.
+    let Some(mut at) = producer(logits) else {
+        return;
+    };
+    if graph.node[at].op_type == "Identity" {
+        match graph.node[at].input.first().and_then(|i| producer(i)) {
+            Some(p) => at = p,
+            None => return,
+        }
+    }
+    let node = &mut graph.node[at];
+    if !lm_head.contains(&node.op_type.as_str()) || node.input.is_empty() {
+        return;
+    }
+    let hidden = node.input[0].clone();
+    let gathered = format!("{hidden}/{LAST_POSITIONS}");
+    let unsqueezed = format!("{gathered}/unsqueezed");
+    let axes = format!("{gathered}/axes");
+    node.input[0] = unsqueezed.clone();
+    let int = |name: &str, i: i64| pb::AttributeProto {
+        name: name.into(),
+        r#type: pb::attribute_proto::AttributeType::Int as i32,
+        i,
+        ..Default::default()
+    };
+    graph.node.push(pb::NodeProto {
+        op_type: "GatherND".into(),
+        name: gathered.clone(),
+        input: vec![hidden, LAST_POSITIONS.into()],
+        output: vec![gathered.clone()],
+        attribute: vec![int("batch_dims", 1)],
+        ..Default::default()
+    });
+    graph.node.push(pb::NodeProto {
+        op_type: "Unsqueeze".into(),
+        name: unsqueezed.clone(),
+        input: vec![gathered, axes.clone()],
+        output: vec![unsqueezed],
+        ..Default::default()
+    });
+    graph.initializer.push(pb::TensorProto {
+        name: axes,
+        dims: vec![1],
+        data_type: pb::tensor_proto::DataType::Int64 as i32,
+        int64_data: vec![1],
+        ..Default::default()
+    });
+    let int64 = pb::TypeProto {
+        value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
+            elem_type: pb::tensor_proto::DataType::Int64 as i32,
+            shape: None,
+        })),
+        ..Default::default()
+    };
+    graph.input.push(pb::ValueInfoProto {
+        name: LAST_POSITIONS.into(),
+        r#type: Some(int64),
+        ..Default::default()
+    });
 }
 
 /// Read the graph into tract and declare its inputs (symbolic sequence and past lengths).
@@ -269,6 +367,11 @@ fn compile(
             (
                 Role::Positions,
                 InferenceFact::dt_shape(i64::datum_type(), shape),
+            )
+        } else if name == LAST_POSITIONS {
+            (
+                Role::LastPositions,
+                InferenceFact::dt_shape(i64::datum_type(), [b.clone(), 1.into()]),
             )
         } else if let Some(l) = sig.layers.iter().position(|l| l.past_key == name) {
             let shape = [b.clone(), heads.clone(), p.clone(), dim.clone()];
@@ -529,14 +632,15 @@ impl TractState {
             .collect();
         let mask = vec![1i64; rows * (len + seq)];
         let plan = self.decoder.plan(rows, len == 0)?;
-        let outputs = self.run(&plan, &vec![seq; rows], ids, mask, vec![])?;
+        let counts = vec![seq; rows];
+        let outputs = self.run(&plan, &counts, ids, mask, vec![])?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             let key = outputs[k].clone().into_arc_tensor();
             let value = outputs[v].clone().into_arc_tensor();
             self.cache.layers[l] = (key, value);
         }
         self.cache.advance(&vec![seq; rows]);
-        last_logits(&outputs[plan.logits], &vec![seq; rows], self.decoder.vocab)
+        last_logits(&outputs[plan.logits], &counts, self.decoder.vocab)
     }
 
     /// Run `plan` on `ids` (`rows x seq`, each row's `counts[r]` tokens then padding), before
@@ -574,6 +678,10 @@ impl TractState {
                     int_tensor(&positions, &[3, rows, seq], fact_dt)?.into()
                 }
                 Role::Positions => int_tensor(&positions, &[rows, seq], fact_dt)?.into(),
+                Role::LastPositions => {
+                    let last: Vec<i64> = counts.iter().map(|&c| c.max(1) as i64 - 1).collect();
+                    int_tensor(&last, &[rows, 1], fact_dt)?.into()
+                }
                 Role::PastKey(l) | Role::PastValue(l) if in_place => {
                     // Hand the buffer over (the graph writes into it and returns it).
                     let layer = self
@@ -630,7 +738,8 @@ pub(crate) fn int_tensor(values: &[i64], shape: &[usize], dt: DatumType) -> Resu
     }
 }
 
-/// The logits of position `counts[r] - 1` of each row of `[rows, seq, vocab]`.
+/// The logits of position `counts[r] - 1` of each row of `[rows, seq, vocab]` (position 0
+/// when the graph computed only each row's last position: `[rows, 1, vocab]`).
 pub(crate) fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Result<Logits> {
     let shape = logits.shape();
     let (rows, seq, width) = match shape {
@@ -657,7 +766,7 @@ pub(crate) fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Re
         if counts[r] == 0 {
             continue;
         }
-        let at = (r * seq + counts[r] - 1) * vocab;
+        let at = (r * seq + (counts[r] - 1).min(seq - 1)) * vocab;
         data[r * vocab..(r + 1) * vocab].copy_from_slice(&all[at..at + vocab]);
     }
     Ok(Logits { rows, vocab, data })
@@ -681,7 +790,7 @@ mod tests {
         let config: serde_json::Value = serde_json::from_slice(&files.config).unwrap();
         let sig = Arc::new(Signature::read(&proto, &config).unwrap());
         assert_eq!(sig.cache_mode, CacheMode::InPlace);
-        let decoder = TractDecoder::new(&proto, sig.clone(), 512, None).unwrap();
+        let decoder = TractDecoder::new(proto, sig.clone(), 512, None).unwrap();
         let cache = KvCache::new(
             sig.layers.len(),
             2,

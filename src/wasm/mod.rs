@@ -120,7 +120,7 @@ fn model_from_bytes(bytes: &JsValue) -> Result<JsModel, JsValue> {
         vision_encoder: file("vision_encoder"),
         ..ModelFiles::default()
     };
-    let model = Model::load(&files).map_err(js_error)?;
+    let model = Model::load_owned(files).map_err(js_error)?;
     let chat = ChatTemplate::from_files(
         file("chat_template").as_deref(),
         file("tokenizer_config").as_deref(),

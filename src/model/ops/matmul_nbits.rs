@@ -15,6 +15,7 @@ use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::NodeProto;
 use tract_onnx::tract_hir::internal::*;
 
+use super::linalg::{dot, dot4};
 use super::{initializer_dims, input_slot, node_label};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -238,32 +239,25 @@ impl EvalOp for NBitsOp {
         let a = &inputs[0];
         let dt = a.datum_type();
         let a32 = a.cast_to::<f32>()?;
-        let a_view = a32.try_as_plain_ram()?;
-        let a_data = a_view.as_slice::<f32>()?;
-        let b_view = inputs[1].try_as_plain_ram()?;
-        let b = b_view.as_slice::<u8>()?;
+        let a_data = a32.try_as_plain_ram()?.as_slice::<f32>()?;
+        let b = inputs[1].try_as_plain_ram()?.as_slice::<u8>()?;
         let scales = inputs[2].cast_to::<f32>()?;
-        let scales_view = scales.try_as_plain_ram()?;
-        let scales = scales_view.as_slice::<f32>()?;
-        let zp = match op.zero_points {
-            Some(ix) if inputs[ix].datum_type() == u8::datum_type() => {
-                let v = inputs[ix].try_as_plain_ram()?;
-                Zero::Packed(v.as_slice::<u8>()?.to_vec())
+        let scales = scales.try_as_plain_ram()?.as_slice::<f32>()?;
+        let zp_float = match op.zero_points {
+            Some(ix) if inputs[ix].datum_type() != u8::datum_type() => {
+                Some(inputs[ix].cast_to::<f32>()?)
             }
-            Some(ix) => {
-                let t = inputs[ix].cast_to::<f32>()?;
-                let v = t.try_as_plain_ram()?;
-                Zero::Float(v.as_slice::<f32>()?.to_vec())
-            }
-            None => Zero::Default,
+            _ => None,
         };
-        let bias = op
-            .bias
-            .map(|ix| -> TractResult<Vec<f32>> {
-                let t = inputs[ix].cast_to::<f32>()?;
-                let v = t.try_as_plain_ram()?;
-                Ok(v.as_slice::<f32>()?.to_vec())
-            })
+        let zp = match (op.zero_points, &zp_float) {
+            (Some(_), Some(z)) => Zero::Float(z.try_as_plain_ram()?.as_slice::<f32>()?),
+            (Some(ix), None) => Zero::Packed(inputs[ix].try_as_plain_ram()?.as_slice::<u8>()?),
+            (None, _) => Zero::Default,
+        };
+        let bias = op.bias.map(|ix| inputs[ix].cast_to::<f32>()).transpose()?;
+        let bias = bias
+            .as_ref()
+            .map(|t| t.try_as_plain_ram()?.as_slice::<f32>())
             .transpose()?;
         let k = op.k;
         if a_data.len() % k != 0 {
@@ -278,7 +272,7 @@ impl EvalOp for NBitsOp {
         matmul(op, a_data, rows, b, scales, &zp, &mut out)?;
         if let Some(bias) = bias {
             for row in out.chunks_mut(op.n) {
-                for (o, b) in row.iter_mut().zip(&bias) {
+                for (o, b) in row.iter_mut().zip(bias) {
                     *o += b;
                 }
             }
@@ -297,13 +291,25 @@ impl EvalOp for NBitsOp {
     }
 }
 
-pub enum Zero {
+/// The zero points of every block.
+pub enum Zero<'a> {
+    /// `2^(bits - 1)`.
     Default,
-    Packed(Vec<u8>),
-    Float(Vec<f32>),
+    /// `uint8`, `bits` per block, each column's blocks starting on a new byte.
+    Packed(&'a [u8]),
+    Float(&'a [f32]),
 }
 
-/// `out[r, n] = sum_k a[r, k] * w[n, k]`, `w` dequantized one block at a time.
+/// Elements of a 4-bit group: the kernels take a group's bytes at once, low nibbles (even
+/// elements) and high nibbles (odd elements) apart, so `A` is reordered to match (`permute`).
+const GROUP: usize = 32;
+
+/// `out[r, n] = sum_k a[r, k] * w[n, k]` with `w[n, k] = (q[n, k] - zero) * scale` of its block.
+///
+/// One row (decoding): each column's packed blocks are read once and dequantized in
+/// registers (`column4` / `column8`). Several rows (a prompt): a few columns at a time are
+/// dequantized into a small buffer, then multiplied with every row, so the dequantization is
+/// paid once per column and the f32 weight never exists whole.
 pub fn matmul(
     op: &NBits,
     a: &[f32],
@@ -315,9 +321,24 @@ pub fn matmul(
 ) -> TractResult<()> {
     let (k, n, bits, bs) = (op.k, op.n, op.bits, op.block_size);
     let (blocks, blob, zp_blob) = (op.blocks(), op.blob(), op.zp_blob());
-    if b.len() != n * blocks * blob || scales.len() != n * blocks || out.len() != rows * n {
+    let zp_len = match zp {
+        Zero::Default => 0,
+        Zero::Packed(z) => z.len(),
+        Zero::Float(z) => z.len(),
+    };
+    let zp_want = match zp {
+        Zero::Default => 0,
+        Zero::Packed(_) => n * zp_blob,
+        Zero::Float(_) => n * blocks,
+    };
+    if b.len() != n * blocks * blob
+        || scales.len() != n * blocks
+        || out.len() != rows * n
+        || a.len() != rows * k
+        || zp_len != zp_want
+    {
         bail!(
-            "{}: B has {} bytes and scales {} values; K={k} N={n} bits={bits} block_size={bs} need {} and {}",
+            "{}: B has {} bytes, scales {} values and zero points {zp_len}; K={k} N={n} bits={bits} block_size={bs} need {}, {} and {zp_want}",
             op.label,
             b.len(),
             scales.len(),
@@ -325,59 +346,261 @@ pub fn matmul(
             n * blocks
         );
     }
-    let default_zero = (1u32 << (bits - 1)) as f32;
-    let mut w = vec![0f32; bs];
-    for col in 0..n {
-        for blk in 0..blocks {
-            let scale = scales[col * blocks + blk];
-            let zero = match zp {
-                Zero::Default => default_zero,
-                Zero::Float(z) => *z
-                    .get(col * blocks + blk)
-                    .ok_or_else(|| format_err!("{}: zero_points too short", op.label))?,
-                Zero::Packed(z) => {
-                    let bit = blk * bits;
-                    let byte = *z
-                        .get(col * zp_blob + bit / 8)
-                        .ok_or_else(|| format_err!("{}: zero_points too short", op.label))?;
-                    ((byte >> (bit % 8)) & ((1u16 << bits) - 1) as u8) as f32
-                }
-            };
-            let start = blk * bs;
-            let width = bs.min(k - start);
-            let src = &b[(col * blocks + blk) * blob..(col * blocks + blk + 1) * blob];
-            if bits == 4 {
-                for (i, byte) in src.iter().enumerate() {
-                    w[2 * i] = ((byte & 0x0f) as f32 - zero) * scale;
-                    w[2 * i + 1] = ((byte >> 4) as f32 - zero) * scale;
-                }
-            } else {
-                for (wi, byte) in w.iter_mut().zip(src) {
-                    *wi = (*byte as f32 - zero) * scale;
-                }
+    let padded = blocks * bs;
+    // Each row of A padded with zeros to whole blocks (the last block may be partial), and for
+    // 4 bits reordered within each group to the nibble order.
+    let mut ap = vec![0f32; rows * padded];
+    for r in 0..rows {
+        let src = &a[r * k..(r + 1) * k];
+        let dst = &mut ap[r * padded..(r + 1) * padded];
+        if bits == 4 {
+            permute(src, dst, bs.min(GROUP));
+        } else {
+            dst[..k].copy_from_slice(src);
+        }
+    }
+    let params = Params {
+        bits,
+        bs,
+        blocks,
+        blob,
+        zp_blob,
+        zp,
+        scales,
+    };
+    if rows == 1 {
+        for (col, o) in out.iter_mut().enumerate() {
+            *o = params.column_dot(col, b, &ap);
+        }
+    } else {
+        const COLS: usize = 4;
+        let mut w = vec![0f32; COLS * padded];
+        for first in (0..n).step_by(COLS) {
+            let cols = COLS.min(n - first);
+            for c in 0..cols {
+                params.dequantize(first + c, b, &mut w[c * padded..(c + 1) * padded]);
             }
             for r in 0..rows {
-                out[r * n + col] += dot(&a[r * k + start..r * k + start + width], &w[..width]);
+                let x = &ap[r * padded..(r + 1) * padded];
+                let o = &mut out[r * n + first..r * n + first + cols];
+                if cols == COLS {
+                    let d = dot4(x, &w);
+                    o.copy_from_slice(&d);
+                } else {
+                    for (c, o) in o.iter_mut().enumerate() {
+                        *o = dot(x, &w[c * padded..(c + 1) * padded]);
+                    }
+                }
             }
         }
     }
     Ok(())
 }
 
-/// A dot product the compiler vectorizes (eight independent sums).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for i in 0..8 {
-            acc[i] += a[c * 8 + i] * b[c * 8 + i];
+/// Reorders `src` into `dst` group by group: the even elements of a group, then the odd ones
+/// (the order of a group's low nibbles, then its high nibbles).
+fn permute(src: &[f32], dst: &mut [f32], group: usize) {
+    let half = group / 2;
+    for (g, chunk) in dst.chunks_mut(group).enumerate() {
+        for j in 0..half {
+            let at = g * group + 2 * j;
+            chunk[j] = src.get(at).copied().unwrap_or(0.0);
+            chunk[half + j] = src.get(at + 1).copied().unwrap_or(0.0);
         }
     }
-    let mut sum: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        sum += a[i] * b[i];
+}
+
+/// What the kernels need to read one column's blocks.
+struct Params<'a> {
+    bits: usize,
+    bs: usize,
+    blocks: usize,
+    blob: usize,
+    zp_blob: usize,
+    zp: &'a Zero<'a>,
+    scales: &'a [f32],
+}
+
+impl Params<'_> {
+    /// The zero point of block `blk` of column `col`.
+    fn zero(&self, col: usize, blk: usize) -> f32 {
+        match self.zp {
+            Zero::Default => (1u32 << (self.bits - 1)) as f32,
+            Zero::Float(z) => z[col * self.blocks + blk],
+            Zero::Packed(z) => {
+                let bit = blk * self.bits;
+                let byte = z[col * self.zp_blob + bit / 8];
+                ((byte >> (bit % 8)) & ((1u16 << self.bits) - 1) as u8) as f32
+            }
+        }
     }
-    sum
+
+    /// `sum_k x[k] * w[col, k]`, `x` padded (and permuted for 4 bits).
+    fn column_dot(&self, col: usize, b: &[u8], x: &[f32]) -> f32 {
+        let base = col * self.blocks;
+        let src = &b[base * self.blob..(base + self.blocks) * self.blob];
+        let scales = &self.scales[base..base + self.blocks];
+        if self.bits == 4 && self.bs >= GROUP && !matches!(self.zp, Zero::Float(_)) {
+            return kernels::q4_column(src, x, self.bs, scales, |blk| self.zero(col, blk) as u8);
+        }
+        let mut total = 0f32;
+        for blk in 0..self.blocks {
+            let src = &src[blk * self.blob..(blk + 1) * self.blob];
+            let xs = &x[blk * self.bs..(blk + 1) * self.bs];
+            let zero = self.zero(col, blk);
+            total += if self.bits == 4 {
+                q4_dot_any(src, xs, zero, self.bs.min(GROUP)) * scales[blk]
+            } else {
+                q8_dot(src, xs, zero) * scales[blk]
+            };
+        }
+        total
+    }
+
+    /// Column `col` as f32 into `w` (padded, and permuted for 4 bits).
+    fn dequantize(&self, col: usize, b: &[u8], w: &mut [f32]) {
+        let base = col * self.blocks;
+        for blk in 0..self.blocks {
+            let src = &b[(base + blk) * self.blob..(base + blk + 1) * self.blob];
+            let dst = &mut w[blk * self.bs..(blk + 1) * self.bs];
+            let (scale, zero) = (self.scales[base + blk], self.zero(col, blk));
+            if self.bits == 4 {
+                let half = self.bs.min(GROUP) / 2;
+                for (bytes, d) in src.chunks(half).zip(dst.chunks_mut(2 * half)) {
+                    let (lo, hi) = d.split_at_mut(half);
+                    for ((byte, l), h) in bytes.iter().zip(lo).zip(hi) {
+                        *l = ((byte & 0x0f) as f32 - zero) * scale;
+                        *h = ((byte >> 4) as f32 - zero) * scale;
+                    }
+                }
+            } else {
+                for (d, byte) in dst.iter_mut().zip(src) {
+                    *d = (*byte as f32 - zero) * scale;
+                }
+            }
+        }
+    }
+}
+
+/// `sum (q - zero) * x` over one 4-bit block of groups of `group` elements (any group size,
+/// any zero point).
+fn q4_dot_any(src: &[u8], x: &[f32], zero: f32, group: usize) -> f32 {
+    let half = group / 2;
+    let mut acc = 0f32;
+    for (bytes, xs) in src.chunks(half).zip(x.chunks(group)) {
+        let (lo, hi) = xs.split_at(half);
+        for ((byte, l), h) in bytes.iter().zip(lo).zip(hi) {
+            acc += ((byte & 0x0f) as f32 - zero) * l + ((byte >> 4) as f32 - zero) * h;
+        }
+    }
+    acc
+}
+
+/// `sum (q - zero) * x` over one 8-bit block.
+fn q8_dot(src: &[u8], x: &[f32], zero: f32) -> f32 {
+    let mut acc = [0f32; 8];
+    for (bytes, xs) in src.chunks_exact(8).zip(x.chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += (bytes[i] as f32 - zero) * xs[i];
+        }
+    }
+    acc.iter().sum()
+}
+
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+mod kernels {
+    use super::GROUP;
+
+    /// `sum_k x[k] * w[k]` over one column of 4-bit blocks of `bs` (whole groups of 32, `x`
+    /// permuted to the nibble order), integer zero points. Written so that LLVM vectorizes
+    /// it: 16 independent lanes per nibble half; each block's sums are scaled once.
+    pub fn q4_column(
+        src: &[u8],
+        x: &[f32],
+        bs: usize,
+        scales: &[f32],
+        zero: impl Fn(usize) -> u8,
+    ) -> f32 {
+        let mut total = [0f32; 16];
+        for (blk, (bytes, xs)) in src.chunks_exact(bs / 2).zip(x.chunks_exact(bs)).enumerate() {
+            let z = zero(blk) as i16;
+            let mut lo_acc = [0f32; 16];
+            let mut hi_acc = [0f32; 16];
+            for (bytes, xs) in bytes.chunks_exact(GROUP / 2).zip(xs.chunks_exact(GROUP)) {
+                for i in 0..16 {
+                    let byte = bytes[i];
+                    lo_acc[i] += ((byte & 0x0f) as i16 - z) as f32 * xs[i];
+                    hi_acc[i] += ((byte >> 4) as i16 - z) as f32 * xs[16 + i];
+                }
+            }
+            let scale = scales[blk];
+            for i in 0..16 {
+                total[i] += (lo_acc[i] + hi_acc[i]) * scale;
+            }
+        }
+        total.iter().sum()
+    }
+}
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+mod kernels {
+    use core::arch::wasm32::*;
+
+    use super::GROUP;
+
+    /// `sum_k x[k] * w[k]` over one column of 4-bit blocks of `bs` (whole groups of 32, `x`
+    /// permuted to the nibble order), integer zero points, with simd128: 16 bytes give 32
+    /// weights, dequantized in registers; each block's sums are scaled once.
+    pub fn q4_column(
+        src: &[u8],
+        x: &[f32],
+        bs: usize,
+        scales: &[f32],
+        zero: impl Fn(usize) -> u8,
+    ) -> f32 {
+        let blocks = src.len() / (bs / 2);
+        assert!(blocks * bs <= x.len() && blocks <= scales.len() && bs % GROUP == 0);
+        let groups = bs / GROUP;
+        let mask = u8x16_splat(0x0f);
+        let mut total = [f32x4_splat(0.0); 4];
+        for blk in 0..blocks {
+            let z = u8x16_splat(zero(blk));
+            let mut acc = [f32x4_splat(0.0); 4];
+            for g in blk * groups..(blk + 1) * groups {
+                // SAFETY: group g covers src[16g..16g+16] and x[32g..32g+32], in bounds
+                // (checked above); v128_load accepts unaligned addresses.
+                unsafe {
+                    let v = v128_load(src.as_ptr().add(g * 16) as *const v128);
+                    let xp = x.as_ptr().add(g * 32);
+                    let lo = i8x16_sub(v128_and(v, mask), z);
+                    let hi = i8x16_sub(u8x16_shr(v, 4), z);
+                    for (h, q) in [lo, hi].into_iter().enumerate() {
+                        let q0 = i16x8_extend_low_i8x16(q);
+                        let q1 = i16x8_extend_high_i8x16(q);
+                        let w = [
+                            f32x4_convert_i32x4(i32x4_extend_low_i16x8(q0)),
+                            f32x4_convert_i32x4(i32x4_extend_high_i16x8(q0)),
+                            f32x4_convert_i32x4(i32x4_extend_low_i16x8(q1)),
+                            f32x4_convert_i32x4(i32x4_extend_high_i16x8(q1)),
+                        ];
+                        for (j, w) in w.into_iter().enumerate() {
+                            let xv = v128_load(xp.add(h * 16 + j * 4) as *const v128);
+                            acc[j] = f32x4_add(acc[j], f32x4_mul(w, xv));
+                        }
+                    }
+                }
+            }
+            let scale = f32x4_splat(scales[blk]);
+            for j in 0..4 {
+                total[j] = f32x4_add(total[j], f32x4_mul(acc[j], scale));
+            }
+        }
+        let s = f32x4_add(f32x4_add(total[0], total[1]), f32x4_add(total[2], total[3]));
+        f32x4_extract_lane::<0>(s)
+            + f32x4_extract_lane::<1>(s)
+            + f32x4_extract_lane::<2>(s)
+            + f32x4_extract_lane::<3>(s)
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,9 @@
 
 pub mod gather_block_quantized;
 pub mod group_query_attention;
+pub mod linalg;
 pub mod matmul_nbits;
+pub mod matmul_weights;
 pub mod tract_builtins;
 
 use tract_onnx::model::OnnxOpRegister;
@@ -22,6 +24,10 @@ pub fn register(reg: &mut OnnxOpRegister) {
         group_query_attention::group_query_attention,
     );
     reg.insert("MatMulNBits", matmul_nbits::matmul_nbits);
+    reg.insert(
+        crate::model::weights::MATMUL_WEIGHTS,
+        matmul_weights::matmul_weights,
+    );
     reg.insert(
         "GatherBlockQuantized",
         gather_block_quantized::gather_block_quantized,

@@ -1,0 +1,269 @@
+//! `MatMulWeights` (made by `model::weights` from `MatMul`s whose `B` is an initializer):
+//! `Y = A @ B` with `B` a float32 or float16 initializer `[K, N]`, or `[N, K]` with
+//! `transposed = 1` (a tied `lm_head` reading the embedding table). The weight is read where
+//! it lies, never copied, transposed or packed; f16 values are converted in registers and the
+//! sums are f32.
+//!
+//! One row of `A` (decoding) streams the weight once. Several rows (a prompt) take a panel of
+//! the weight at a time (converted to f32 for f16) and multiply it with every row.
+
+use tract_onnx::model::ParsingContext;
+use tract_onnx::pb::NodeProto;
+use tract_onnx::prelude::f16;
+use tract_onnx::tract_hir::internal::*;
+
+use super::linalg::{
+    axpy_rows, axpy_rows_f16, dot, dot4, dot_f16, f16_is_special, f16_to_f32_slice,
+};
+use super::{initializer_dims, node_label};
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Weights {
+    pub k: usize,
+    pub n: usize,
+    /// `B` is stored `[N, K]`.
+    pub transposed: bool,
+    pub label: String,
+}
+
+pub fn matmul_weights(
+    ctx: &ParsingContext,
+    node: &NodeProto,
+) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)> {
+    let label = node_label(node);
+    let transposed = node.get_attr_opt::<i64>("transposed")?.unwrap_or(0) != 0;
+    let dims = node
+        .input
+        .get(1)
+        .and_then(|b| initializer_dims(ctx, b))
+        .ok_or_else(|| format_err!("{label}: B must be an initializer"))?;
+    let (k, n) = match (dims.as_slice(), transposed) {
+        (&[k, n], false) | (&[n, k], true) if k > 0 && n > 0 => (k as usize, n as usize),
+        _ => bail!("{label}: B has shape {dims:?}; expected a non-empty matrix"),
+    };
+    if node.input.len() != 2 || node.output.len() != 1 {
+        bail!("{label}: expected two inputs and one output");
+    }
+    Ok((
+        expand(Weights {
+            k,
+            n,
+            transposed,
+            label,
+        }),
+        vec![],
+    ))
+}
+
+impl Expansion for Weights {
+    fn name(&self) -> StaticName {
+        "MatMulWeights".into()
+    }
+
+    fn rules<'r, 'p: 'r, 's: 'r>(
+        &'s self,
+        s: &mut Solver<'r>,
+        inputs: &'p [TensorProxy],
+        outputs: &'p [TensorProxy],
+    ) -> InferenceResult {
+        check_input_arity(inputs, 2)?;
+        check_output_arity(outputs, 1)?;
+        s.equals(&outputs[0].datum_type, &inputs[0].datum_type)?;
+        s.equals(&outputs[0].rank, &inputs[0].rank)?;
+        let n = self.n.to_dim();
+        s.given(&inputs[0].rank, move |s, rank| {
+            let rank = rank as usize;
+            for ax in 0..rank.saturating_sub(1) {
+                s.equals(&outputs[0].shape[ax], &inputs[0].shape[ax])?;
+            }
+            s.equals(&outputs[0].shape[rank - 1], n.clone())
+        })
+    }
+
+    fn wire(
+        &self,
+        prefix: &str,
+        model: &mut TypedModel,
+        inputs: &[OutletId],
+    ) -> TractResult<TVec<OutletId>> {
+        let label = &self.label;
+        let a = model.outlet_fact(inputs[0])?;
+        if !a.datum_type.is_float() {
+            bail!("{label}: A is {:?}; expected a float tensor", a.datum_type);
+        }
+        match a.shape.last().map(|d| d.to_usize()) {
+            Some(Ok(k)) if k != self.k => bail!("{label}: A has {k} columns; K is {}", self.k),
+            None => bail!("{label}: A is a scalar"),
+            _ => {}
+        }
+        let b = model.outlet_fact(inputs[1])?;
+        if b.datum_type != f16::datum_type() && b.datum_type != f32::datum_type() {
+            bail!(
+                "{label}: B is {:?}; expected float or float16",
+                b.datum_type
+            );
+        }
+        if let Some(w) = &b.konst {
+            if w.len() != self.k * self.n {
+                bail!(
+                    "{label}: B has {} values; expected {}",
+                    w.len(),
+                    self.k * self.n
+                );
+            }
+            if b.datum_type == f16::datum_type() {
+                let bits = w.try_as_plain_ram()?.as_slice::<f16>()?;
+                if bits.iter().any(|h| f16_is_special(h.to_bits())) {
+                    bail!("{label}: B holds infinite or NaN float16 weights");
+                }
+            }
+        }
+        model.wire_node(prefix, WeightsOp(self.clone()), inputs)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct WeightsOp(pub Weights);
+
+impl Op for WeightsOp {
+    fn name(&self) -> StaticName {
+        "MatMulWeights".into()
+    }
+    op_as_typed_op!();
+}
+
+impl TypedOp for WeightsOp {
+    fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
+        let a = inputs[0];
+        let mut shape: TVec<TDim> = a.shape.iter().cloned().collect();
+        if let Some(last) = shape.last_mut() {
+            *last = self.0.n.to_dim();
+        }
+        Ok(tvec!(a.datum_type.fact(shape)))
+    }
+    as_op!();
+}
+
+impl EvalOp for WeightsOp {
+    op_out_of_plan!();
+
+    fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
+        let op = &self.0;
+        let a = &inputs[0];
+        let dt = a.datum_type();
+        let a32 = a.cast_to::<f32>()?;
+        let x = a32.try_as_plain_ram()?.as_slice::<f32>()?;
+        let (k, n) = (op.k, op.n);
+        if x.len() % k != 0 || inputs[1].len() != k * n {
+            bail!(
+                "{}: A has {} values (K={k}), B {} (expected {})",
+                op.label,
+                x.len(),
+                inputs[1].len(),
+                k * n
+            );
+        }
+        let rows = x.len() / k;
+        let mut out = vec![0f32; rows * n];
+        let w = inputs[1].try_as_plain_ram()?;
+        let w = if inputs[1].datum_type() == f16::datum_type() {
+            let w = w.as_slice::<f16>()?;
+            // SAFETY: f16 is a transparent wrapper of u16.
+            W::F16(unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u16, w.len()) })
+        } else {
+            W::F32(w.as_slice::<f32>()?)
+        };
+        if op.transposed {
+            matmul_nk(x, rows, w, k, n, &mut out);
+        } else {
+            matmul_kn(x, rows, w, k, n, &mut out);
+        }
+        let mut shape: TVec<usize> = a.shape().into();
+        if let Some(last) = shape.last_mut() {
+            *last = n;
+        }
+        let out = Tensor::from_shape(&shape, &out)?;
+        let out = if dt == f32::datum_type() {
+            out
+        } else {
+            out.cast_to_dt(dt)?.into_owned()
+        };
+        Ok(tvec!(out.into_tvalue()))
+    }
+}
+
+/// The weight's values: f32, or f16 bits.
+#[derive(Clone, Copy)]
+enum W<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u16]),
+}
+
+impl W<'_> {
+    /// Values `range` as f32 into `dst`.
+    fn to_f32(self, range: std::ops::Range<usize>, dst: &mut [f32]) {
+        match self {
+            W::F32(w) => dst.copy_from_slice(&w[range]),
+            W::F16(w) => f16_to_f32_slice(&w[range], dst),
+        }
+    }
+}
+
+/// `out[r, j] = sum_k x[r, k] * w[j, k]`, `w` `[n, k]`.
+fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, n: usize, out: &mut [f32]) {
+    if rows == 1 {
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = match w {
+                W::F32(w) => dot(x, &w[j * k..(j + 1) * k]),
+                W::F16(w) => dot_f16(x, &w[j * k..(j + 1) * k]),
+            };
+        }
+        return;
+    }
+    const COLS: usize = 4;
+    let mut panel = vec![0f32; COLS * k];
+    for first in (0..n).step_by(COLS) {
+        let cols = COLS.min(n - first);
+        w.to_f32(first * k..(first + cols) * k, &mut panel[..cols * k]);
+        for r in 0..rows {
+            let xr = &x[r * k..(r + 1) * k];
+            let o = &mut out[r * n + first..r * n + first + cols];
+            if cols == COLS {
+                o.copy_from_slice(&dot4(xr, &panel));
+            } else {
+                for (c, o) in o.iter_mut().enumerate() {
+                    *o = dot(xr, &panel[c * k..(c + 1) * k]);
+                }
+            }
+        }
+    }
+}
+
+/// `out[r, j] = sum_k x[r, k] * w[k, j]`, `w` `[k, n]`: a panel of `w`'s rows at a time
+/// (converted to f32 for f16) added into every row of `out`.
+fn matmul_kn(x: &[f32], rows: usize, w: W, k: usize, n: usize, out: &mut [f32]) {
+    if rows == 1 {
+        match w {
+            W::F32(w) => axpy_rows(x, w, out),
+            W::F16(w) => axpy_rows_f16(x, w, out),
+        }
+        return;
+    }
+    // About 64 KiB of f32 per panel.
+    let panel_rows = (16384 / n).clamp(4, k);
+    let mut buffer = vec![0f32; panel_rows * n];
+    for first in (0..k).step_by(panel_rows) {
+        let count = panel_rows.min(k - first);
+        let panel: &[f32] = match w {
+            W::F32(w) => &w[first * n..(first + count) * n],
+            W::F16(_) => {
+                w.to_f32(first * n..(first + count) * n, &mut buffer[..count * n]);
+                &buffer[..count * n]
+            }
+        };
+        for r in 0..rows {
+            let xr = &x[r * k + first..r * k + first + count];
+            axpy_rows(xr, panel, &mut out[r * n..(r + 1) * n]);
+        }
+    }
+}

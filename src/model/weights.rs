@@ -1,0 +1,220 @@
+//! Weight-bound `MatMul`s before tract sees a graph: the weights are read where they lie.
+//!
+//! * A `MatMul` whose `B` is the `Transpose` of a rank-2 initializer (a tied `lm_head` reading
+//!   the embedding table) becomes a `MatMulWeights` node (`ops/matmul_weights.rs`) reading the
+//!   table itself: tract would otherwise keep a transposed copy and a packed copy of it.
+//! * float16 graphs (`model_fp16.onnx`) are computed in f32 with the large weights kept in
+//!   f16 (tract computes f16 arithmetic slowly without native f16, on x86 and in wasm, and
+//!   converting every weight to f32 would double the memory): every `MatMul` whose `B` is a
+//!   float16 initializer becomes a `MatMulWeights` node (f16 weights, f32 sums); a `Gather`
+//!   from a float16 table gathers f16 rows and casts them; every other float16 value becomes
+//!   float32: the remaining initializers, `Constant` and `ConstantOfShape` values,
+//!   `Cast(to=float16)`, the graph's inputs and outputs (so the KV cache and the logits are
+//!   f32). The result is the f32 model with f16-rounded weights (onnxruntime on x86 also
+//!   computes most float16 ops through f32).
+
+use std::collections::{HashMap, HashSet};
+
+use tract_onnx::pb;
+
+use crate::error::{Error, Result};
+
+const FLOAT: i32 = pb::tensor_proto::DataType::Float as i32;
+const FLOAT16: i32 = pb::tensor_proto::DataType::Float16 as i32;
+
+/// The op type of the rewritten `MatMul`s (registered in `ops/mod.rs`).
+pub const MATMUL_WEIGHTS: &str = "MatMulWeights";
+
+/// Whether every f32 `MatMul` with an initializer `B` goes to `MatMulWeights` too (one copy
+/// of the weights, but tract's packed kernels are faster on prompts).
+const ALL_F32_MATMULS: bool = false;
+
+/// Whether the graph computes in float16 (its inputs, outputs or initializers are float16).
+pub fn is_f16_graph(graph: &pb::GraphProto) -> bool {
+    let io_f16 = graph
+        .input
+        .iter()
+        .chain(&graph.output)
+        .any(|v| value_elem_type(v) == Some(FLOAT16));
+    io_f16 || graph.initializer.iter().any(|t| t.data_type == FLOAT16)
+}
+
+fn value_elem_type(v: &pb::ValueInfoProto) -> Option<i32> {
+    match v.r#type.as_ref()?.value.as_ref()? {
+        pb::type_proto::Value::TensorType(t) => Some(t.elem_type),
+    }
+}
+
+/// Route weight-bound `MatMul`s to `MatMulWeights`, and make a float16 graph compute in f32
+/// (see the module's documentation).
+pub fn rewrite(proto: &mut pb::ModelProto) -> Result<()> {
+    let Some(graph) = proto.graph.as_mut() else {
+        return Ok(());
+    };
+    let f16 = is_f16_graph(graph);
+    let matrices: HashSet<String> = graph
+        .initializer
+        .iter()
+        .filter(|t| t.dims.len() == 2)
+        .filter(|t| t.data_type == FLOAT16 || t.data_type == FLOAT)
+        .map(|t| t.name.clone())
+        .collect();
+    let f16_matrices: HashSet<String> = graph
+        .initializer
+        .iter()
+        .filter(|t| t.data_type == FLOAT16 && t.dims.len() == 2)
+        .map(|t| t.name.clone())
+        .collect();
+    // `Transpose(perm=[1, 0])` of an f16 matrix: output name -> the matrix.
+    let transposed: HashMap<String, String> = graph
+        .node
+        .iter()
+        .filter(|n| n.op_type == "Transpose" && n.input.len() == 1 && n.output.len() == 1)
+        .filter(|n| matrices.contains(&n.input[0]))
+        .filter(|n| {
+            let perm = n.attribute.iter().find(|a| a.name == "perm");
+            perm.is_none_or(|a| a.ints == [1, 0])
+        })
+        .map(|n| (n.output[0].clone(), n.input[0].clone()))
+        .collect();
+    let mut kept_f16: HashSet<String> = HashSet::new();
+    let mut nodes = Vec::with_capacity(graph.node.len());
+    for mut node in std::mem::take(&mut graph.node) {
+        let b = node.input.get(1).cloned().unwrap_or_default();
+        if node.op_type == "MatMul" && node.domain.is_empty() && node.input.len() == 2 {
+            let direct = f16_matrices.contains(&b) || (ALL_F32_MATMULS && matrices.contains(&b));
+            let weight = if direct {
+                Some((b.clone(), false))
+            } else {
+                transposed.get(&b).map(|m| (m.clone(), true))
+            };
+            if let Some((matrix, is_transposed)) = weight {
+                node.op_type = MATMUL_WEIGHTS.into();
+                node.input[1] = matrix.clone();
+                node.attribute.push(pb::AttributeProto {
+                    name: "transposed".into(),
+                    r#type: pb::attribute_proto::AttributeType::Int as i32,
+                    i: is_transposed as i64,
+                    ..Default::default()
+                });
+                kept_f16.insert(matrix);
+                nodes.push(node);
+                continue;
+            }
+        }
+        let table = node.input.first().cloned().unwrap_or_default();
+        if node.op_type == "Gather" && f16_matrices.contains(&table) && node.output.len() == 1 {
+            let out = node.output[0].clone();
+            let rows = format!("{out}/f16");
+            node.output[0] = rows.clone();
+            kept_f16.insert(table);
+            nodes.push(node);
+            nodes.push(cast_node(&format!("{out}/to_f32"), &rows, &out));
+            continue;
+        }
+        nodes.push(node);
+    }
+    graph.node = nodes;
+    // The transposes now read by no node would be folded by tract for nothing.
+    let read: HashSet<String> = graph
+        .node
+        .iter()
+        .flat_map(|n| n.input.iter().cloned())
+        .chain(graph.output.iter().map(|o| o.name.clone()))
+        .collect();
+    graph.node.retain(|n| {
+        let unread_transpose = n.op_type == "Transpose"
+            && transposed.contains_key(&n.output[0])
+            && !read.contains(&n.output[0]);
+        !unread_transpose
+    });
+    if !f16 {
+        return Ok(());
+    }
+    for t in graph.initializer.iter_mut() {
+        if t.data_type == FLOAT16 && !kept_f16.contains(&t.name) {
+            tensor_to_f32(t)?;
+        }
+    }
+    for v in graph.input.iter_mut().chain(graph.output.iter_mut()) {
+        if let Some(pb::type_proto::Value::TensorType(t)) =
+            v.r#type.as_mut().and_then(|t| t.value.as_mut())
+        {
+            if t.elem_type == FLOAT16 {
+                t.elem_type = FLOAT;
+            }
+        }
+    }
+    graph.value_info.clear();
+    rewrite_nodes(&mut graph.node)
+}
+
+/// `Cast(to=float16)` -> float, float16 constants -> f32, in subgraphs too.
+fn rewrite_nodes(nodes: &mut [pb::NodeProto]) -> Result<()> {
+    for node in nodes {
+        for attr in node.attribute.iter_mut() {
+            if node.op_type == "Cast" && attr.name == "to" && attr.i == FLOAT16 as i64 {
+                attr.i = FLOAT as i64;
+            }
+            if let Some(t) = attr.t.as_mut() {
+                if t.data_type == FLOAT16 {
+                    tensor_to_f32(t)?;
+                }
+            }
+            if let Some(g) = attr.g.as_mut() {
+                for t in g.initializer.iter_mut().filter(|t| t.data_type == FLOAT16) {
+                    tensor_to_f32(t)?;
+                }
+                g.value_info.clear();
+                rewrite_nodes(&mut g.node)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn cast_node(name: &str, input: &str, output: &str) -> pb::NodeProto {
+    pb::NodeProto {
+        op_type: "Cast".into(),
+        name: name.into(),
+        input: vec![input.into()],
+        output: vec![output.into()],
+        attribute: vec![pb::AttributeProto {
+            name: "to".into(),
+            r#type: pb::attribute_proto::AttributeType::Int as i32,
+            i: FLOAT as i64,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// The f16 values of a float16 tensor (`raw_data`, or `int32_data` holding the bits).
+pub fn f16_bits(t: &pb::TensorProto) -> Result<Vec<u16>> {
+    if !t.raw_data.is_empty() {
+        if t.raw_data.len() % 2 != 0 {
+            return Err(Error::Model(format!(
+                "float16 tensor `{}` has {} bytes, an odd number",
+                t.name,
+                t.raw_data.len()
+            )));
+        }
+        Ok(t.raw_data
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect())
+    } else {
+        Ok(t.int32_data.iter().map(|&v| v as u16).collect())
+    }
+}
+
+fn tensor_to_f32(t: &mut pb::TensorProto) -> Result<()> {
+    let values = f16_bits(t)?;
+    t.raw_data = values
+        .iter()
+        .flat_map(|&h| half::f16::from_bits(h).to_f32().to_le_bytes())
+        .collect();
+    t.int32_data.clear();
+    t.data_type = FLOAT;
+    Ok(())
+}
