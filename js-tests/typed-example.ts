@@ -7,6 +7,8 @@ import init, {
   type LoadProgress,
   type ChatMessage,
   type LogitsProcessor,
+  type TranscribeOptions,
+  type TranscribeResult,
 } from "onnx-generate";
 
 // A processor may also return a new array of the same length.
@@ -50,4 +52,19 @@ export async function demo(base: string, signal: AbortSignal): Promise<string> {
   console.log(await body.text(), ids.length, model.vocabSize, model.hasChatTemplate);
   model.free();
   return result.text + result.finish_reason;
+}
+
+export async function transcribe(base: string, pcm: Float32Array, rate: number): Promise<string> {
+  const whisper: Model = await Model.fromUrl(base);
+  const options: TranscribeOptions = {
+    language: "en",
+    task: "transcribe",
+    sampling_rate: rate,
+    max_new_tokens: 64,
+    on_token: (e: TokenEvent) => console.log(e.row, e.text),
+  };
+  const result: TranscribeResult = await whisper.transcribe(pcm, options);
+  const windows: number = result.sequences.length;
+  whisper.free();
+  return `${result.text} (${windows} windows, ${result.finish_reason})`;
 }

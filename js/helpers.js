@@ -11,8 +11,10 @@ const FILES = {
   tokenizer: true,
   tokenizer_config: false,
   chat_template: false,
-  // Vision-language models (transformers.js layout).
+  encoder: false,
+  encoder_external_data: false,
   preprocessor_config: false,
+  // Vision-language models (transformers.js layout).
   embed_tokens: false,
   vision_encoder: false,
 };
@@ -161,28 +163,36 @@ async function tryFetch(url) {
  * The files of a model folder served under `base` (flat or transformers.js layout):
  * `onnx/model.onnx` or `model.onnx` (`model_{variant}.onnx` with a variant, or
  * `decoder_model_merged*.onnx`), its `.data`, `config.json`, `generation_config.json`,
- * `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`.
+ * `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`; for an encoder-decoder
+ * also `encoder_model*.onnx` (and its `.data`) and `preprocessor_config.json`.
  */
 export async function fetchModelFolder(base, variant, onProgress) {
   let root = String(base);
   if (!root.endsWith("/")) root += "/";
   const suffix = variant && variant !== "fp32" ? `_${variant}` : "";
-  const names = [`model${suffix}.onnx`, `decoder_model_merged${suffix}.onnx`];
-  const candidates = names.flatMap((n) => [`${root}onnx/${n}`, `${root}${n}`]);
-  let model = null;
-  let modelUrl = null;
-  for (const url of candidates) {
-    model = await tryFetch(url);
-    if (model) {
-      modelUrl = url;
-      break;
+  const at = (name) => [`${root}onnx/${name}`, `${root}${name}`];
+  const first = async (urls) => {
+    for (const url of urls) {
+      const response = await tryFetch(url);
+      if (response) return { response, url };
     }
-  }
-  if (!model) {
+    return null;
+  };
+  // An encoder-decoder (Whisper, T5, ...): encoder_model.onnx with the merged decoder.
+  const encoder = await first(at(`encoder_model${suffix}.onnx`));
+  const names = encoder
+    ? [`decoder_model_merged${suffix}.onnx`]
+    : [`model${suffix}.onnx`, `decoder_model_merged${suffix}.onnx`];
+  const candidates = names.flatMap(at);
+  const found = await first(candidates);
+  if (!found) {
+    if (encoder && encoder.response.body) await encoder.response.body.cancel();
     throw new Error(`no ONNX model under ${root} (tried ${candidates.join(", ")})`);
   }
+  const { response: model, url: modelUrl } = found;
   const modelName = modelUrl.split("/").pop();
   const files = { model_name: modelName, model };
+  if (encoder) files.encoder = encoder.response;
   const optional = {
     external_data: [`${modelUrl}.data`, `${modelUrl}_data`],
     generation_config: [`${root}generation_config.json`],
@@ -192,6 +202,7 @@ export async function fetchModelFolder(base, variant, onProgress) {
     embed_tokens: [`${root}onnx/embed_tokens${suffix}.onnx`, `${root}embed_tokens${suffix}.onnx`],
     vision_encoder: [`${root}onnx/vision_encoder${suffix}.onnx`, `${root}vision_encoder${suffix}.onnx`],
   };
+  if (encoder) optional.encoder_external_data = [`${encoder.url}.data`, `${encoder.url}_data`];
   const required = { config: `${root}config.json`, tokenizer: `${root}tokenizer.json` };
   await Promise.all([
     ...Object.entries(required).map(async ([name, url]) => {

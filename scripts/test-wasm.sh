@@ -4,7 +4,9 @@
 #   2. the JavaScript API tests (tests/wasm_api) in Node and in headless Chromium, each run
 #      failing if it executed no test; built in release with the same flags, so they reuse the
 #      package's compiled dependencies;
-#   3. the package's API in Node (js-tests/api.test.mjs: streams, abort, errors, fromUrl);
+#   3. the package's API in Node (js-tests/api.test.mjs: streams, abort, errors, fromUrl;
+#      js-tests/transcribe.test.mjs: Whisper transcription, errors, and Whisper base when
+#      .realmodels has it);
 #   4. tsc --noEmit over a typed example (js-tests/typed-example.ts);
 #   5. npm pack, install of the tarball into an empty folder, and the README's Node example;
 #   6. the demo page end to end in Chromium (js-tests/e2e.mjs), with a screenshot in
@@ -51,6 +53,10 @@ run_wasm_tests wasm_browser WASM_BINDGEN_TEST_TIMEOUT=300 CHROMEDRIVER="$(comman
 
 node --test js-tests/api.test.mjs
 echo "test-wasm: package API tests in Node passed"
+
+# transcribe(): the tiny Whisper fixture always, Whisper base when .realmodels has it.
+node --test js-tests/transcribe.test.mjs
+echo "test-wasm: transcribe tests in Node passed"
 
 node_modules/.bin/tsc --noEmit -p js-tests
 echo "test-wasm: tsc --noEmit over js-tests/typed-example.ts passed"

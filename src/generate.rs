@@ -293,7 +293,7 @@ impl Generation {
                 Some(EncoderInput::Ids(ids)) => Some(ids.clone()),
                 _ => None,
             },
-            encoder_features: matches!(encoder, Some(EncoderInput::Features { .. })),
+            encoder_features: encoder.as_ref().is_some_and(EncoderInput::is_features),
         };
         let chain = Chain::build_with(&config, vocab, &inputs, custom)?;
         if config.num_beams > 1 {

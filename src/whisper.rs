@@ -7,7 +7,7 @@ use serde_json::{Map, Value};
 
 use crate::audio::FeatureExtractor;
 use crate::error::{invalid, Error, Result};
-use crate::generate::{Generation, TokenEvent};
+use crate::generate::{FinishReason, Generation, Sequence, TokenEvent};
 use crate::model::{EncoderInput, Model};
 
 /// What to transcribe and how.
@@ -30,15 +30,30 @@ pub struct Transcription {
     generation: Option<Generation>,
     options: TranscribeOptions,
     language_fixed: bool,
-    /// Text of the finished windows.
-    text: String,
+    /// The sequence of each finished window.
+    done: Vec<Sequence>,
     /// Window of each event row (events carry the window index as `row`).
     current: usize,
+    aborted: bool,
+}
+
+/// A finished (or aborted) transcription.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TranscriptionOutput {
+    /// The text of every window, concatenated.
+    pub text: String,
+    /// The token ids of every window, concatenated (without the prompts and eos tokens).
+    pub token_ids: Vec<u32>,
+    /// Why the last window stopped (`Abort` when the transcription was stopped).
+    pub finish_reason: FinishReason,
+    /// The sequence of each transcribed window, in order.
+    pub windows: Vec<Sequence>,
 }
 
 impl Model {
     /// Start transcribing `pcm` (mono samples in [-1, 1]) recorded at `sampling_rate` Hz; audio at
-    /// another rate than the model's is resampled.
+    /// another rate than the model's (`preprocessor_config.json`, 16 kHz for Whisper) is
+    /// resampled to it first. Empty audio and samples that are not finite are errors.
     pub fn transcribe(
         &self,
         pcm: &[f32],
@@ -48,12 +63,15 @@ impl Model {
         if !self.encoder_takes_features() {
             return invalid!("this model does not take audio (its encoder has no input_features)");
         }
-        let features = match &self.preprocessor_config {
-            Some(c) => FeatureExtractor::from_config(c)?,
-            None => FeatureExtractor::whisper(80)?,
-        };
+        let features = self.feature_extractor()?;
         if pcm.is_empty() {
-            return invalid!("the audio is empty");
+            return invalid!("the audio is empty (no samples)");
+        }
+        if let Some(i) = pcm.iter().position(|x| !x.is_finite()) {
+            return invalid!(
+                "audio sample {i} is {} (samples must be finite numbers, normally in [-1, 1])",
+                pcm[i]
+            );
         }
         let pcm = crate::audio::resample(pcm, sampling_rate, features.sampling_rate)?;
         let windows: Vec<Vec<f32>> = pcm
@@ -83,9 +101,24 @@ impl Model {
             prompt,
             generation: None,
             options,
-            text: String::new(),
+            done: vec![],
             current: 0,
+            aborted: false,
         })
+    }
+
+    /// The feature extractor of `preprocessor_config.json` (Whisper's defaults without one).
+    fn feature_extractor(&self) -> Result<FeatureExtractor> {
+        match &self.preprocessor_config {
+            Some(c) => FeatureExtractor::from_config(c),
+            None => FeatureExtractor::whisper(80),
+        }
+    }
+
+    /// The sample rate the model hears (16000 Hz for Whisper): audio at another rate is
+    /// resampled to it.
+    pub fn sampling_rate(&self) -> Result<usize> {
+        Ok(self.feature_extractor()?.sampling_rate)
     }
 
     fn special_token(&self, token: &str, what: &str) -> Result<u32> {
@@ -134,10 +167,11 @@ impl Transcription {
                 return Ok(vec![]);
             };
             let mel = self.features.features(window)?;
-            let input = EncoderInput::Features {
+            // The encoder runs once per window (language detection and generation share it).
+            let input = model.encode(&EncoderInput::Features {
                 shape: vec![self.features.feature_size, self.features.frames()],
                 rows: vec![mel],
-            };
+            })?;
             let mut prompt = self.prompt.clone();
             if !self.language_fixed {
                 // transformers' `detect_language`: the most likely language token after
@@ -176,36 +210,67 @@ impl Transcription {
             e.row = self.current;
         }
         if generation.is_finished() {
-            let out = generation.output(model)?;
-            if let Some(seq) = out.sequences.first().and_then(|s| s.first()) {
-                self.text.push_str(&seq.text);
-            }
-            self.generation = None;
+            self.finish_window(model)?;
         }
         Ok(events)
     }
 
-    /// Stop transcribing.
-    pub fn abort(&mut self) {
+    /// Keep the sequence of the current window and drop its generation.
+    fn finish_window(&mut self, model: &Model) -> Result<()> {
+        if let Some(generation) = self.generation.take() {
+            let out = generation.output(model)?;
+            if let Some(seq) = out
+                .sequences
+                .into_iter()
+                .next()
+                .and_then(|s| s.into_iter().next())
+            {
+                self.done.push(seq);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stop transcribing: the current window keeps its tokens so far (finish reason `abort`)
+    /// and later windows are skipped.
+    pub fn abort(&mut self, model: &Model) -> Result<()> {
         if let Some(g) = self.generation.as_mut() {
             g.abort();
         }
-        self.generation = None;
         self.next_window = self.windows.len();
+        self.aborted = true;
+        self.finish_window(model)
     }
 
-    /// The text of the windows transcribed so far.
-    pub fn text(&self) -> &str {
-        &self.text
+    /// The result so far (the whole transcription once finished).
+    pub fn output(&self) -> TranscriptionOutput {
+        let finish_reason = match self.done.last() {
+            Some(s) if self.is_finished() && !self.aborted => s.finish_reason,
+            _ => FinishReason::Abort,
+        };
+        TranscriptionOutput {
+            text: self.done.iter().map(|s| s.text.as_str()).collect(),
+            token_ids: self
+                .done
+                .iter()
+                .flat_map(|s| s.token_ids.iter().copied())
+                .collect(),
+            finish_reason,
+            windows: self.done.clone(),
+        }
     }
 
     /// Transcribe to the end, calling `on_token` for each token.
-    pub fn run(mut self, model: &Model, mut on_token: impl FnMut(&TokenEvent)) -> Result<String> {
+    pub fn run(
+        mut self,
+        model: &Model,
+        mut on_token: impl FnMut(&TokenEvent),
+    ) -> Result<TranscriptionOutput> {
         while !self.is_finished() {
             for e in self.step(model)? {
                 on_token(&e);
             }
         }
-        Ok(self.text)
+        Ok(self.output())
     }
 }

@@ -6,6 +6,7 @@
 //! * transformers.js: the ONNX files under `DIR/onnx/` (`model.onnx`, `model_q4.onnx`,
 //!   `model_fp16.onnx`, ... chosen by the variant), the JSON files in `DIR`.
 
+#[cfg(not(target_arch = "wasm32"))]
 use crate::error::{Error, Result};
 
 /// The bytes of a model's files.
@@ -51,6 +52,7 @@ pub fn onnx_candidates(variant: Option<&str>) -> Vec<String> {
     decoder_only_candidates(variant)
 }
 
+#[cfg(not(target_arch = "wasm32"))]
 fn with_variant(stem: &str, variant: Option<&str>) -> String {
     match variant {
         None | Some("") | Some("fp32") => format!("{stem}.onnx"),

@@ -20,7 +20,7 @@ use crate::vision::encoder::VisionEncoder;
 use crate::vision::{PromptInputs, RopeConfig, RowInputs, VisionConfig};
 use embeddings::Embedder;
 pub use files::{DecoderLayout, ModelFiles};
-pub use seq2seq::EncoderInput;
+pub use seq2seq::{Encoded, EncoderInput};
 use seq2seq::{Seq2Seq, Seq2SeqGraphs};
 use signature::Signature;
 use tract_decoder::TractDecoder;
@@ -171,6 +171,9 @@ impl Model {
             }
             _ => None,
         };
+        if let (Engine::Seq2Seq(s), Some(pre)) = (&engine, &preprocessor_config) {
+            check_features_fit(s, pre)?;
+        }
         Ok(Model {
             signature,
             config,
@@ -241,6 +244,17 @@ impl Model {
         }
     }
 
+    /// Run the encoder of an encoder-decoder once: requests started from the result
+    /// (`EncoderInput::Encoded`) reuse it.
+    pub fn encode(&self, input: &EncoderInput) -> Result<EncoderInput> {
+        match &self.engine {
+            Engine::Seq2Seq(s) => Ok(EncoderInput::Encoded(s.encode(input)?)),
+            Engine::Decoder(_) => Err(Error::InvalidInput(
+                "this model is decoder-only: it has no encoder".into(),
+            )),
+        }
+    }
+
     /// The `decoder_start_token_id` of an encoder-decoder (generation config, else config.json).
     pub fn decoder_start_token_id(&self) -> Option<u32> {
         self.generation_config.decoder_start_token_id.or_else(|| {
@@ -274,6 +288,23 @@ impl Model {
             .find_map(|k| c.get(k).and_then(|v| v.as_u64()))
             .map(|n| n as usize)
     }
+}
+
+/// The feature extractor of `preprocessor_config.json` must make what the encoder reads
+/// (`[mel bins, frames]` of one 30 s window for Whisper).
+fn check_features_fit(s: &Seq2Seq, preprocessor: &serde_json::Value) -> Result<()> {
+    let Some(shape) = s.feature_shape()? else {
+        return Ok(());
+    };
+    let fe = crate::audio::FeatureExtractor::from_config(preprocessor)?;
+    let made = vec![fe.feature_size, fe.frames()];
+    if shape != made {
+        return Err(Error::Model(format!(
+            "preprocessor_config.json makes features of shape {made:?} ([mel bins, frames]) but \
+             the encoder takes {shape:?}: the preprocessor config belongs to another model"
+        )));
+    }
+    Ok(())
 }
 
 /// The logits width: the graph's last logits axis when fixed, else `vocab_size` of config.json.

@@ -17,7 +17,7 @@ use crate::decoder::{DecoderState, Logits};
 use crate::error::{backend, Error, Result};
 use crate::model::onnx::specialize_bool_input;
 use crate::model::signature::{Dtype, Signature, ONNX_INT32};
-use crate::model::tract_decoder::{int_tensor, last_logits, output_names, parse_graph};
+use crate::model::tract_decoder::{int_tensor, last_logits, optimize, output_names, parse_graph};
 
 /// What a request gives the encoder.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,6 +29,17 @@ pub enum EncoderInput {
         shape: Vec<usize>,
         rows: Vec<Vec<f32>>,
     },
+    /// The encoder's output for an input (`Model::encode`): requests that start from it do
+    /// not run the encoder again.
+    Encoded(Encoded),
+}
+
+/// The output of an encoder run, and whether the encoder read features (Whisper).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Encoded {
+    hidden: Arc<Tensor>,
+    mask: Arc<Tensor>,
+    from_features: bool,
 }
 
 impl EncoderInput {
@@ -36,6 +47,16 @@ impl EncoderInput {
         match self {
             EncoderInput::Ids(p) => p.len(),
             EncoderInput::Features { rows, .. } => rows.len(),
+            EncoderInput::Encoded(e) => e.hidden.shape().first().copied().unwrap_or(0),
+        }
+    }
+
+    /// Whether the encoder reads (or read) audio features rather than token ids.
+    pub fn is_features(&self) -> bool {
+        match self {
+            EncoderInput::Ids(_) => false,
+            EncoderInput::Features { .. } => true,
+            EncoderInput::Encoded(e) => e.from_features,
         }
     }
 }
@@ -139,10 +160,22 @@ impl Seq2Seq {
             vocab,
         };
         // Compile the plans of one row now: a graph tract cannot run fails at load time.
-        s.encoder_plan(1)?;
-        s.plan(1, true)?;
+        let encoder = s.encoder_plan(1)?;
+        let first = s.plan(1, true)?;
         s.plan(1, false)?;
+        check_decoder_fits(&encoder, &first)?;
         Ok(s)
+    }
+
+    /// The shape of one row of the encoder's `input_features` (`[mel bins, frames]` for
+    /// Whisper), when the encoder takes features of a fixed shape.
+    pub fn feature_shape(&self) -> Result<Option<Vec<usize>>> {
+        if !self.encoder_features {
+            return Ok(None);
+        }
+        let plan = self.encoder_plan(1)?;
+        let fact = plan.runnable.model().input_fact(0).map_err(backend)?;
+        Ok(fact.shape.as_concrete().map(|s| s[1..].to_vec()))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -167,8 +200,38 @@ impl Seq2Seq {
         rows_of: &[usize],
     ) -> Result<Box<dyn DecoderState>> {
         let batch = input.rows();
+        let encoded = match input {
+            EncoderInput::Encoded(e) => e.clone(),
+            other => self.encode(other)?,
+        };
+        if let Some(&bad) = rows_of.iter().find(|&&r| r >= batch) {
+            return Err(Error::InvalidInput(format!(
+                "row of encoder input {bad} of {batch}"
+            )));
+        }
+        let hidden = gather_rows(&encoded.hidden, rows_of)?;
+        let mask = gather_rows(&encoded.mask, rows_of)?;
+        let layers = self.signature.layers.len();
+        Ok(Box::new(Seq2SeqState {
+            model: self.clone(),
+            prompt_of: rows_of.to_vec(),
+            hidden: Arc::new(hidden),
+            mask: Arc::new(mask),
+            cache: vec![None; layers],
+            cross: vec![None; layers],
+            lengths: vec![0; rows_of.len()],
+            scratch: vec![],
+        }))
+    }
+
+    /// Run the encoder on an input.
+    pub fn encode(&self, input: &EncoderInput) -> Result<Encoded> {
+        let batch = input.rows();
         if batch == 0 {
             return Err(Error::InvalidInput("no encoder input was given".into()));
+        }
+        if let EncoderInput::Encoded(e) = input {
+            return Ok(e.clone());
         }
         let plan = self.encoder_plan(batch)?;
         let (hidden, mask) = match input {
@@ -230,25 +293,13 @@ impl Seq2Seq {
                     .map_err(backend)?;
                 (hidden, mask)
             }
+            EncoderInput::Encoded(e) => return Ok(e.clone()),
         };
-        let hidden = gather_rows(&hidden, rows_of)?;
-        let mask = gather_rows(&mask, rows_of)?;
-        let layers = self.signature.layers.len();
-        if let Some(&bad) = rows_of.iter().find(|&&r| r >= batch) {
-            return Err(Error::InvalidInput(format!(
-                "row of encoder input {bad} of {batch}"
-            )));
-        }
-        Ok(Box::new(Seq2SeqState {
-            model: self.clone(),
-            prompt_of: rows_of.to_vec(),
+        Ok(Encoded {
             hidden: Arc::new(hidden),
             mask: Arc::new(mask),
-            cache: vec![None; layers],
-            cross: vec![None; layers],
-            lengths: vec![0; rows_of.len()],
-            scratch: vec![],
-        }))
+            from_features: self.encoder_features,
+        })
     }
 
     fn encoder_plan(&self, batch: usize) -> Result<Arc<EncoderPlan>> {
@@ -299,8 +350,7 @@ impl Seq2Seq {
             .iter()
             .position(|n| n == "last_hidden_state" || n == "encoder_hidden_states")
             .unwrap_or(0);
-        let runnable = model
-            .into_optimized()
+        let runnable = optimize(model)
             .and_then(|m| m.into_runnable())
             .map_err(|e| Error::Model(format!("tract cannot compile the encoder: {e:?}")))?;
         let plan = Arc::new(EncoderPlan {
@@ -325,6 +375,33 @@ impl Seq2Seq {
         let plan = Arc::new(compile(template.clone(), &self.signature, batch)?);
         plans.insert((batch, first as u8), plan.clone());
         Ok(plan)
+    }
+}
+
+/// The decoder reads the encoder's output as `encoder_hidden_states`: their widths (the hidden
+/// size) must agree, else the decoder belongs to another model.
+fn check_decoder_fits(encoder: &EncoderPlan, first: &Plan) -> Result<()> {
+    let Some(ix) = first.roles.iter().position(|r| *r == Role::EncoderHidden) else {
+        return Err(Error::Model(
+            "the decoder does not take `encoder_hidden_states`".into(),
+        ));
+    };
+    let width = |fact: &TypedFact| fact.shape.iter().last().and_then(|d| d.to_i64().ok());
+    let gives = width(
+        encoder
+            .runnable
+            .model()
+            .output_fact(encoder.output)
+            .map_err(backend)?,
+    );
+    let takes = width(first.runnable.model().input_fact(ix).map_err(backend)?);
+    match (gives, takes) {
+        (Some(g), Some(t)) if g != t => Err(Error::Model(format!(
+            "the decoder does not fit the encoder: the encoder's hidden states are {g} wide but \
+             the decoder's `encoder_hidden_states` (cross-attention input) are {t} wide; \
+             encoder_model.onnx and the decoder come from different models"
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -412,8 +489,7 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
             ))
         })
         .collect::<Vec<_>>();
-    let runnable = model
-        .into_optimized()
+    let runnable = optimize(model)
         .and_then(|m| m.into_runnable())
         .map_err(|e| Error::Model(format!("tract cannot compile the decoder: {e:?}")))?;
     Ok(Plan {

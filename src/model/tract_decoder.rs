@@ -402,7 +402,7 @@ fn compile(
         .iter()
         .map(|l| Ok((out(&l.present_key)?, out(&l.present_value)?)))
         .collect::<Result<Vec<_>>>()?;
-    let typed = model.into_optimized().map_err(|e| {
+    let typed = optimize(model).map_err(|e| {
         Error::Model(format!(
             "tract cannot compile the graph: {}",
             unsupported_hint(&e, sig)
@@ -415,6 +415,32 @@ fn compile(
         logits,
         presents,
     })
+}
+
+/// tract's declutter and codegen passes, without `FoldUniformMask`.
+///
+/// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
+/// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal
+/// mask computed in the graph (`kv_index <= query_index`, as transformers 4.57's
+/// `create_causal_mask` exports for Whisper's decoder) is triangular, not two regions, but
+/// the pass accepts a split point that is another axis' coordinate and slices the attention
+/// scores by it: the first decoder step then fails ("Can not broadcast 4 against 2") or later
+/// steps see wrong shapes. Without the pass the mask is computed as the graph says, which
+/// matches onnxruntime (`tests/whisper.rs`); the masks of the other exported decoders are
+/// runtime inputs, which the pass cannot fold anyway.
+pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
+    let mut typed = model.into_typed()?;
+    declutter_passes().optimize(&mut typed)?;
+    typed.optimize()?;
+    Ok(typed)
+}
+
+fn declutter_passes() -> tract_onnx::tract_core::optim::Optimizer {
+    let mut optimizer = tract_onnx::tract_core::optim::Optimizer::declutter();
+    optimizer
+        .passes
+        .retain(|pass| !format!("{pass:?}").starts_with("FoldUniformMask"));
+    optimizer
 }
 
 /// The names of a graph's outputs, in order.
@@ -806,6 +832,23 @@ mod tests {
             broken: false,
             rows: None,
         }
+    }
+
+    /// The pass left out by `optimize` is still in tract's declutter list (else the filter
+    /// silently does nothing and a newer tract may have renamed it).
+    #[test]
+    fn fold_uniform_mask_is_left_out() {
+        let name = |o: &tract_onnx::tract_core::optim::Optimizer| {
+            o.passes
+                .iter()
+                .filter(|p| format!("{p:?}").starts_with("FoldUniformMask"))
+                .count()
+        };
+        assert_eq!(
+            name(&tract_onnx::tract_core::optim::Optimizer::declutter()),
+            1
+        );
+        assert_eq!(name(&declutter_passes()), 0);
     }
 
     fn buffers(state: &TractState) -> Vec<*const u8> {

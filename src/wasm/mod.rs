@@ -4,6 +4,7 @@
 //! `js/helpers.js` (a wasm-bindgen snippet). The TypeScript declarations are in `types.rs`.
 
 mod processors;
+mod transcribe;
 mod types;
 mod vision;
 
@@ -16,7 +17,7 @@ use wasm_bindgen_futures::{future_to_promise, JsFuture};
 
 use crate::chat::ChatTemplate;
 use crate::error::Error;
-use crate::generate::{Generation, Output, TokenEvent};
+use crate::generate::{Generation, Output, Sequence, TokenEvent};
 use crate::model::{Model, ModelFiles};
 
 #[wasm_bindgen(module = "/js/helpers.js")]
@@ -115,6 +116,8 @@ fn model_from_bytes(bytes: &JsValue) -> Result<JsModel, JsValue> {
         config: required("config")?,
         generation_config: file("generation_config"),
         tokenizer: required("tokenizer")?,
+        encoder: file("encoder"),
+        encoder_external_data: file("encoder_external_data"),
         preprocessor_config: file("preprocessor_config"),
         embed_tokens: file("embed_tokens"),
         vision_encoder: file("vision_encoder"),
@@ -444,34 +447,31 @@ fn event_to_js(e: &TokenEvent) -> Result<JsValue, JsValue> {
     Ok(o.into())
 }
 
+/// One sequence of a result, as JSON.
+fn sequence_json(s: &Sequence) -> Value {
+    let mut v = json!({
+        "token_ids": s.token_ids,
+        "text": s.text,
+        "finish_reason": s.finish_reason.as_str(),
+    });
+    if let (Some(scores), Some(lps)) = (&s.scores, &s.logprobs) {
+        v["scores"] = json!(scores);
+        v["logprobs"] = json!(lps);
+    }
+    if let Some(score) = s.sequence_score {
+        v["sequence_score"] = json!(score);
+    }
+    if let Some(top) = &s.top_logprobs {
+        v["top_logprobs"] = json!(top);
+    }
+    v
+}
+
 fn output_to_js(out: &Output) -> Result<JsValue, JsValue> {
     let sequences: Vec<Value> = out
         .sequences
         .iter()
-        .map(|row| {
-            Value::Array(
-                row.iter()
-                    .map(|s| {
-                        let mut v = json!({
-                            "token_ids": s.token_ids,
-                            "text": s.text,
-                            "finish_reason": s.finish_reason.as_str(),
-                        });
-                        if let (Some(scores), Some(lps)) = (&s.scores, &s.logprobs) {
-                            v["scores"] = json!(scores);
-                            v["logprobs"] = json!(lps);
-                        }
-                        if let Some(score) = s.sequence_score {
-                            v["sequence_score"] = json!(score);
-                        }
-                        if let Some(top) = &s.top_logprobs {
-                            v["top_logprobs"] = json!(top);
-                        }
-                        v
-                    })
-                    .collect(),
-            )
-        })
+        .map(|row| Value::Array(row.iter().map(sequence_json).collect()))
         .collect();
     let first = sequences
         .first()
