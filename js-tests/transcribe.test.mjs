@@ -105,7 +105,7 @@ test("bad audio and options reject with an Error naming them; the model recovers
 });
 
 test("Model.fromUrl finds the encoder and the preprocessor config of a served folder", async () => {
-  const server = await serve({ port: 0, mounts: { "/m/": fileURLToPath(tinyDir).replace(/\/$/, "") } });
+  const server = await serve({ port: 0, mounts: { "/m/": fileURLToPath(tinyDir) } });
   try {
     const progress = new Set();
     const m = await Model.fromUrl(`http://127.0.0.1:${server.address().port}/m/`, { on_progress: (p) => progress.add(p.file) });

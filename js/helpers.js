@@ -242,6 +242,26 @@ export function yieldToEventLoop() {
 }
 
 /** Whether an options object's `signal` is aborted (any object with `aborted`). */
+/**
+ * The pixels of an image part: an `ImageBitmap` (or a canvas) is drawn into an OffscreenCanvas
+ * and read back as an `ImageData` (RGBA); anything else is returned as it is.
+ */
+export function imagePixels(image) {
+  const drawable =
+    (typeof ImageBitmap !== "undefined" && image instanceof ImageBitmap) ||
+    (typeof OffscreenCanvas !== "undefined" && image instanceof OffscreenCanvas) ||
+    (typeof HTMLCanvasElement !== "undefined" && image instanceof HTMLCanvasElement);
+  if (!drawable) return image;
+  if (typeof OffscreenCanvas === "undefined") {
+    throw new Error("reading an ImageBitmap needs OffscreenCanvas, which this runtime lacks");
+  }
+  const { width, height } = image;
+  if (!width || !height) return { data: new Uint8Array(0), width, height };
+  const ctx = new OffscreenCanvas(width, height).getContext("2d");
+  ctx.drawImage(image, 0, 0);
+  return ctx.getImageData(0, 0, width, height);
+}
+
 export function isAborted(signal) {
   return Boolean(signal && signal.aborted);
 }

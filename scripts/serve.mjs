@@ -29,7 +29,10 @@ const TYPES = {
  * response (the benchmark adds COOP/COEP for wasm threads); resolves with the http server.
  */
 export function serve({ port = 8080, mounts, headers = {} }) {
-  const entries = Object.entries(mounts).sort((a, b) => b[0].length - a[0].length);
+  // Folders resolved (no trailing separator), longest prefix first.
+  const entries = Object.entries(mounts)
+    .map(([prefix, dir]) => [prefix, resolve(dir)])
+    .sort((a, b) => b[0].length - a[0].length);
   const server = createServer((req, res) => {
     const path = decodeURIComponent(new URL(req.url, "http://127.0.0.1").pathname);
     const mount = entries.find(([prefix]) => path.startsWith(prefix));

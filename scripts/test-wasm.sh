@@ -6,7 +6,8 @@
 #      package's compiled dependencies;
 #   3. the package's API in Node (js-tests/api.test.mjs: streams, abort, errors, fromUrl;
 #      js-tests/transcribe.test.mjs: Whisper transcription, errors, and Whisper base when
-#      .realmodels has it);
+#      .realmodels has it; js-tests/vlm.test.mjs: the Qwen2-VL and SmolVLM fixtures with image
+#      features and with RGBA images in chat messages);
 #   4. tsc --noEmit over a typed example (js-tests/typed-example.ts);
 #   5. npm pack, install of the tarball into an empty folder, and the README's Node example;
 #   6. the demo page end to end in Chromium (js-tests/e2e.mjs), with a screenshot in
@@ -57,6 +58,10 @@ echo "test-wasm: package API tests in Node passed"
 # transcribe(): the tiny Whisper fixture always, Whisper base when .realmodels has it.
 node --test js-tests/transcribe.test.mjs
 echo "test-wasm: transcribe tests in Node passed"
+
+# Vision-language decoders: golden ids from stored features and from RGBA images in chat.
+node --test js-tests/vlm.test.mjs
+echo "test-wasm: vision-language tests in Node passed"
 
 node_modules/.bin/tsc --noEmit -p js-tests
 echo "test-wasm: tsc --noEmit over js-tests/typed-example.ts passed"

@@ -34,6 +34,8 @@ extern "C" {
     fn yield_to_event_loop() -> Promise;
     #[wasm_bindgen(js_name = isAborted)]
     fn is_aborted(signal: &JsValue) -> bool;
+    #[wasm_bindgen(catch, js_name = imagePixels)]
+    fn image_pixels(image: &JsValue) -> Result<JsValue, JsValue>;
     #[wasm_bindgen(js_name = tokenQueue)]
     fn token_queue(options: &JsValue) -> TokenQueue;
 

@@ -56,7 +56,7 @@ export interface LoadOptions {
 export interface ChatMessage {
   role: "system" | "user" | "assistant" | "tool" | string;
   /** Text, or parts: `{type: "text", text}` and, for a vision-language model, `{type: "image",
-   * image}` with an `ImageData` or `{data, width, height}` (RGBA bytes). */
+   * image}` with an `ImageData`, an `ImageBitmap` or `{data, width, height}` (RGBA bytes). */
   content: string | ChatContentPart[];
   [key: string]: unknown;
 }
@@ -88,7 +88,7 @@ export type LogitsProcessor = (tokenIds: Uint32Array, logits: Float32Array) => v
 /** A part of a chat message's content. */
 export type ChatContentPart =
   | { type: "text"; text: string }
-  | { type: "image"; image?: ImageData | { data: Uint8Array | Uint8ClampedArray; width: number; height: number } };
+  | { type: "image"; image?: ImageData | ImageBitmap | { data: Uint8Array | Uint8ClampedArray; width: number; height: number } };
 
 export interface GenerateOptions {
   /** Maximum number of new tokens (at least 1). */

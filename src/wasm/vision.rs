@@ -1,6 +1,6 @@
 //! Images in the JavaScript API: `generate(input, {image_features, position_ids,
 //! image_grid_thw})` for prompts whose image tokens are already expanded, and chat messages
-//! whose content parts `{type: "image", image}` carry an `ImageData` or `{data, width, height}`
+//! whose content parts `{type: "image", image}` carry an `ImageData`, an `ImageBitmap` or `{data, width, height}`
 //! (RGBA bytes): the images go through the model's image processor and vision encoder and the
 //! chat template places the image tokens.
 
@@ -10,7 +10,7 @@ use wasm_bindgen::prelude::*;
 use crate::vision::resize::RgbImage;
 use crate::vision::{Features, ImageInputs, PositionIds};
 
-use super::{describe, get, invalid, js_error, prompts_of, render_chat, Loaded};
+use super::{describe, get, image_pixels, invalid, js_error, prompts_of, render_chat, Loaded};
 
 /// Request options that are image inputs, not generation_config.json fields.
 pub(super) const OPTION_NAMES: &[&str] = &[
@@ -100,14 +100,17 @@ fn message_of(e: &JsValue) -> String {
     get(e, "message").as_string().unwrap_or_else(|| describe(e))
 }
 
-/// An `ImageData` or `{data, width, height}` with RGBA bytes (or RGB bytes, 3 per pixel).
+/// An `ImageData`, an `ImageBitmap` (read back through an OffscreenCanvas) or `{data, width,
+/// height}` with RGBA bytes (or RGB bytes, 3 per pixel).
 fn rgb_image(v: &JsValue) -> Result<RgbImage, JsValue> {
+    let v = &image_pixels(v)?;
     let width = get(v, "width").as_f64();
     let height = get(v, "height").as_f64();
     let data = get(v, "data");
     let (Some(width), Some(height)) = (width, height) else {
         return Err(invalid(format!(
-            "an image must be an ImageData or {{data, width, height}} with RGBA bytes, got {}",
+            "an image must be an ImageData, an ImageBitmap or {{data, width, height}} with RGBA \
+             bytes, got {}",
             describe(v)
         )));
     };
