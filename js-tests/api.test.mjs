@@ -7,13 +7,7 @@ import assert from "node:assert/strict";
 import { readFile } from "node:fs/promises";
 import { fileURLToPath } from "node:url";
 import { serve, demoMounts } from "../scripts/serve.mjs";
-
-const root = new URL("../", import.meta.url);
-const pkgDir = process.env.ONNX_GENERATE_PKG
-  ? new URL(`file://${process.env.ONNX_GENERATE_PKG.replace(/\/?$/, "/")}`)
-  : new URL("pkg/", root);
-const { initSync, Model } = await import(new URL("onnx_generate.js", pkgDir));
-initSync({ module: await readFile(new URL("onnx_generate_bg.wasm", pkgDir)) });
+import { Model, pkgDir, root } from "./pkg.mjs";
 
 const fixture = (name, file) => readFile(new URL(`tests/fixtures/models/${name}/${file}`, root));
 const files = async (name) => ({

@@ -8,13 +8,7 @@ import { readFile, access } from "node:fs/promises";
 import { fileURLToPath } from "node:url";
 import { serve } from "../scripts/serve.mjs";
 import { readWav } from "./wav.mjs";
-
-const root = new URL("../", import.meta.url);
-const pkgDir = process.env.ONNX_GENERATE_PKG
-  ? new URL(`file://${process.env.ONNX_GENERATE_PKG.replace(/\/?$/, "/")}`)
-  : new URL("pkg/", root);
-const { initSync, Model } = await import(new URL("onnx_generate.js", pkgDir));
-initSync({ module: await readFile(new URL("onnx_generate_bg.wasm", pkgDir)) });
+import { Model, root } from "./pkg.mjs";
 
 const tinyDir = new URL("tests/fixtures/models/whisper-tiny/", root);
 const whisperFiles = async (dir, onnx = dir) => ({

@@ -7,13 +7,7 @@
 import { test, before } from "node:test";
 import assert from "node:assert/strict";
 import { readFile } from "node:fs/promises";
-
-const root = new URL("../", import.meta.url);
-const pkgDir = process.env.ONNX_GENERATE_PKG
-  ? new URL(`file://${process.env.ONNX_GENERATE_PKG.replace(/\/?$/, "/")}`)
-  : new URL("pkg/", root);
-const { initSync, Model } = await import(new URL("onnx_generate.js", pkgDir));
-initSync({ module: await readFile(new URL("onnx_generate_bg.wasm", pkgDir)) });
+import { Model, root } from "./pkg.mjs";
 
 const vlm = new URL("tests/fixtures/vlm/", root);
 
