@@ -9,6 +9,7 @@ import { describe, test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { readFile } from "node:fs/promises";
 import { startDeno, startWorker, root } from "./edge-servers.mjs";
+import { Model } from "./pkg.mjs";
 
 const MODEL = "llama-fixture";
 const golden = JSON.parse(await readFile(`${root}tests/fixtures/golden/llama.json`, "utf8"));
@@ -20,8 +21,6 @@ const EXPECTED = GREEDY.expected[0][0];
 const ids = (tokens) => tokens.map((t) => Number(t.replace(/^token_id:/, "")));
 
 // The same package, in Node: the reference for requests the golden file has no case for.
-const { initSync, Model } = await import(`${root}pkg/onnx_generate.js`);
-initSync({ module: await readFile(`${root}pkg/onnx_generate_bg.wasm`) });
 const fixture = (f) => readFile(`${root}tests/fixtures/models/llama/${f}`);
 const local = await Model.load({
   model: await fixture("model.onnx"),
