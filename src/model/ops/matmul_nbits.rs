@@ -16,7 +16,7 @@ use tract_onnx::pb::NodeProto;
 use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{dot, dot4};
-use super::{initializer_dims, input_slot, node_label};
+use super::{initializer_dims, input_slot, matmul_output_fact, node_label};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct NBits {
@@ -221,12 +221,7 @@ impl Op for NBitsOp {
 
 impl TypedOp for NBitsOp {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        let a = inputs[0];
-        let mut shape: TVec<TDim> = a.shape.iter().cloned().collect();
-        if let Some(last) = shape.last_mut() {
-            *last = self.0.n.to_dim();
-        }
-        Ok(tvec!(a.datum_type.fact(shape)))
+        Ok(tvec!(matmul_output_fact(inputs[0], self.0.n)))
     }
     as_op!();
 }

@@ -15,7 +15,7 @@ use tract_onnx::tract_hir::internal::*;
 use super::linalg::{
     axpy_rows, axpy_rows_f16, dot, dot4, dot_f16, f16_is_special, f16_to_f32_slice,
 };
-use super::{initializer_dims, node_label};
+use super::{initializer_dims, matmul_output_fact, node_label};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Weights {
@@ -134,12 +134,7 @@ impl Op for WeightsOp {
 
 impl TypedOp for WeightsOp {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        let a = inputs[0];
-        let mut shape: TVec<TDim> = a.shape.iter().cloned().collect();
-        if let Some(last) = shape.last_mut() {
-            *last = self.0.n.to_dim();
-        }
-        Ok(tvec!(a.datum_type.fact(shape)))
+        Ok(tvec!(matmul_output_fact(inputs[0], self.0.n)))
     }
     as_op!();
 }

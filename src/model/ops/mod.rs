@@ -16,6 +16,7 @@ pub mod tract_builtins;
 
 use tract_onnx::model::OnnxOpRegister;
 use tract_onnx::pb::NodeProto;
+use tract_onnx::tract_hir::internal::{TDim, ToDim, TypedFact};
 
 /// Register the ops of this module (replacing tract-onnx's builders of the same names).
 pub fn register(reg: &mut OnnxOpRegister) {
@@ -32,6 +33,15 @@ pub fn register(reg: &mut OnnxOpRegister) {
         "GatherBlockQuantized",
         gather_block_quantized::gather_block_quantized,
     );
+}
+
+/// The output fact of `A x W` with a weight of `n` columns: A's shape with its last axis `n`.
+pub(crate) fn matmul_output_fact(a: &TypedFact, n: usize) -> TypedFact {
+    let mut shape: Vec<TDim> = a.shape.iter().cloned().collect();
+    if let Some(last) = shape.last_mut() {
+        *last = n.to_dim();
+    }
+    TypedFact::dt_shape(a.datum_type, shape)
 }
 
 /// tract-onnx with the ops of this module registered.
