@@ -47,13 +47,22 @@ pub fn dot4(x: &[f32], w: &[f32]) -> [f32; 4] {
 /// `2^112`: moves an f16 exponent (bias 15) placed in an f32 (bias 127) to its value.
 const F16_EXPONENT_SHIFT: f32 = 5.192_297e33;
 
-/// An f16 (its bits) as f32: exact for finite values, normal and subnormal (a weight is never
-/// infinite or NaN: `matmul_weights` checks at load time). Branch-free, so loops over it vectorize.
+/// Inputs below this magnitude can be multiplied by `F16_EXPONENT_SHIFT` and stay finite.
+const SCALED_INPUT_LIMIT: f32 = 65536.0;
+
+/// An f16 (its bits) placed in an f32: the sign at bit 31, exponent and mantissa at bits
+/// 27..13, so the f32 is exactly `2^-112` times the f16's value for finite values, normal and
+/// subnormal (a weight is never infinite or NaN: `matmul_weights` checks at load time). Three
+/// integer operations (sign extension, shift, mask), so loops over it vectorize.
+#[inline(always)]
+fn f16_scaled(h: u16) -> f32 {
+    f32::from_bits((((h as i16 as i32) << 13) as u32) & 0x8fff_e000)
+}
+
+/// An f16 (its bits) as f32, exact for finite values.
 #[inline(always)]
 pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h & 0x8000) as u32) << 16;
-    let magnitude = f32::from_bits(((h & 0x7fff) as u32) << 13) * F16_EXPONENT_SHIFT;
-    f32::from_bits(magnitude.to_bits() | sign)
+    f16_scaled(h) * F16_EXPONENT_SHIFT
 }
 
 /// Whether f16 bits are infinite or NaN.
@@ -68,26 +77,57 @@ pub fn f16_to_f32_slice(src: &[u16], dst: &mut [f32]) {
     }
 }
 
-/// `sum_k x[k] * w[k]` with f16 weights.
-pub fn dot_f16(x: &[f32], w: &[u16]) -> f32 {
-    let len = x.len().min(w.len());
-    let mut acc = [0f32; 16];
-    let chunks = len / 16;
-    for (xs, ws) in x.chunks_exact(16).zip(w.chunks_exact(16)) {
-        for i in 0..16 {
-            acc[i] += xs[i] * f16_to_f32(ws[i]);
-        }
+/// `x * 2^112` when every value stays finite. Then `scaled_x * f16_scaled(h)` is the same f32
+/// product as `x * f16_to_f32(h)` (both factors are exact, so the product rounds the same real
+/// number), and the f16 kernels skip a multiplication per weight.
+fn scaled_input(x: &[f32]) -> Option<Vec<f32>> {
+    x.iter()
+        .all(|v| v.abs() < SCALED_INPUT_LIMIT)
+        .then(|| x.iter().map(|v| v * F16_EXPONENT_SHIFT).collect())
+}
+
+/// `out[j] = sum_k x[k] * w[j, k]` with f16 weights `[out.len(), x.len()]`: one dot product
+/// per output.
+pub fn matvec_f16_nk(x: &[f32], w: &[u16], out: &mut [f32]) {
+    let k = x.len();
+    let rows = w.chunks_exact(k).zip(out.iter_mut());
+    match scaled_input(x) {
+        Some(xs) => rows.for_each(|(w, o)| *o = kernels::dot_f16_scaled(&xs, w)),
+        None => rows.for_each(|(w, o)| *o = dot_f16_with(x, w, f16_to_f32)),
     }
-    let mut sum: f32 = acc.iter().sum();
-    for i in chunks * 16..len {
-        sum += x[i] * f16_to_f32(w[i]);
-    }
-    sum
 }
 
 /// `out[n] += sum_k x[k] * w[k, n]` over the rows of `w` (`[x.len(), out.len()]`, f16),
 /// four rows per pass over `out`.
 pub fn axpy_rows_f16(x: &[f32], w: &[u16], out: &mut [f32]) {
+    match scaled_input(x) {
+        Some(xs) => kernels::axpy_rows_f16_scaled(&xs, w, out),
+        None => axpy_rows_f16_with(x, w, out, f16_to_f32),
+    }
+}
+
+/// `sum_k x[k] * f16(w[k])`, sixteen independent sums, summed in lane order at the end.
+#[inline(always)]
+fn dot_f16_with(x: &[f32], w: &[u16], f16: impl Fn(u16) -> f32) -> f32 {
+    let len = x.len().min(w.len());
+    let mut acc = [0f32; 16];
+    let chunks = len / 16;
+    for (xs, ws) in x.chunks_exact(16).zip(w.chunks_exact(16)) {
+        for i in 0..16 {
+            acc[i] += xs[i] * f16(ws[i]);
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for i in chunks * 16..len {
+        sum += x[i] * f16(w[i]);
+    }
+    sum
+}
+
+/// `out[n] += sum_k x[k] * f16(w[k, n])`, four rows of `w` per pass over `out`, each output
+/// adding `((a0 w0 + a1 w1) + a2 w2) + a3 w3`.
+#[inline(always)]
+fn axpy_rows_f16_with(x: &[f32], w: &[u16], out: &mut [f32], f16: impl Fn(u16) -> f32) {
     let n = out.len();
     let rows = x.len();
     let mut k = 0;
@@ -98,22 +138,119 @@ pub fn axpy_rows_f16(x: &[f32], w: &[u16], out: &mut [f32]) {
         let w2 = &w[(k + 2) * n..(k + 3) * n];
         let w3 = &w[(k + 3) * n..(k + 4) * n];
         for j in 0..n {
-            out[j] += a0 * f16_to_f32(w0[j])
-                + a1 * f16_to_f32(w1[j])
-                + a2 * f16_to_f32(w2[j])
-                + a3 * f16_to_f32(w3[j]);
+            out[j] += a0 * f16(w0[j]) + a1 * f16(w1[j]) + a2 * f16(w2[j]) + a3 * f16(w3[j]);
         }
         k += 4;
     }
     while k < rows {
         let a = x[k];
         for (o, &h) in out.iter_mut().zip(&w[k * n..(k + 1) * n]) {
-            *o += a * f16_to_f32(h);
+            *o += a * f16(h);
         }
         k += 1;
     }
 }
 
+/// The f16 kernels on inputs scaled by `scaled_input`: written for LLVM to vectorize.
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+mod kernels {
+    use super::{axpy_rows_f16_with, dot_f16_with, f16_scaled};
+
+    pub fn dot_f16_scaled(x: &[f32], w: &[u16]) -> f32 {
+        dot_f16_with(x, w, f16_scaled)
+    }
+
+    pub fn axpy_rows_f16_scaled(x: &[f32], w: &[u16], out: &mut [f32]) {
+        axpy_rows_f16_with(x, w, out, f16_scaled)
+    }
+}
+
+/// The f16 kernels on inputs scaled by `scaled_input`, with simd128: eight f16 per load,
+/// widened in registers. They add in the same order as the portable kernels, so both give the
+/// same sums.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+mod kernels {
+    use core::arch::wasm32::*;
+
+    use super::{axpy_rows_f16_with, f16_scaled};
+
+    /// Eight f16 at `p` as two f32x4 of `f16_scaled` values.
+    ///
+    /// # Safety
+    /// `p..p + 8` must be readable.
+    #[inline(always)]
+    unsafe fn load8(p: *const u16) -> (v128, v128) {
+        let v = v128_load(p as *const v128);
+        let mask = u32x4_splat(0x8fff_e000);
+        let lo = v128_and(i32x4_shl(i32x4_extend_low_i16x8(v), 13), mask);
+        let hi = v128_and(i32x4_shl(i32x4_extend_high_i16x8(v), 13), mask);
+        (lo, hi)
+    }
+
+    pub fn dot_f16_scaled(x: &[f32], w: &[u16]) -> f32 {
+        let len = x.len().min(w.len());
+        let chunks = len / 16;
+        let mut acc = [f32x4_splat(0.0); 4];
+        for c in 0..chunks {
+            // SAFETY: chunk c covers x[16c..16c+16] and w[16c..16c+16], within `len`;
+            // v128_load accepts unaligned addresses.
+            unsafe {
+                let (w0, w1) = load8(w.as_ptr().add(c * 16));
+                let (w2, w3) = load8(w.as_ptr().add(c * 16 + 8));
+                let xp = x.as_ptr().add(c * 16);
+                for (i, wv) in [w0, w1, w2, w3].into_iter().enumerate() {
+                    let xv = v128_load(xp.add(i * 4) as *const v128);
+                    acc[i] = f32x4_add(acc[i], f32x4_mul(xv, wv));
+                }
+            }
+        }
+        let mut sum = 0f32;
+        for a in acc {
+            sum += f32x4_extract_lane::<0>(a);
+            sum += f32x4_extract_lane::<1>(a);
+            sum += f32x4_extract_lane::<2>(a);
+            sum += f32x4_extract_lane::<3>(a);
+        }
+        for i in chunks * 16..len {
+            sum += x[i] * f16_scaled(w[i]);
+        }
+        sum
+    }
+
+    pub fn axpy_rows_f16_scaled(x: &[f32], w: &[u16], out: &mut [f32]) {
+        let n = out.len();
+        let rows = x.len();
+        assert!(w.len() >= rows * n, "axpy_rows_f16: {} weights for {rows}x{n}", w.len());
+        let blocks = n / 8;
+        let full = rows / 4 * 4;
+        for k in (0..full).step_by(4) {
+            let a = [x[k], x[k + 1], x[k + 2], x[k + 3]].map(|v| f32x4_splat(v));
+            for b in 0..blocks {
+                // SAFETY: rows k..k+4 of w and out[8b..8b+8] are in bounds (asserted above).
+                unsafe {
+                    let wp = w.as_ptr().add(k * n + b * 8);
+                    let (l0, h0) = load8(wp);
+                    let (l1, h1) = load8(wp.add(n));
+                    let (l2, h2) = load8(wp.add(2 * n));
+                    let (l3, h3) = load8(wp.add(3 * n));
+                    let lo = f32x4_add(f32x4_mul(a[0], l0), f32x4_mul(a[1], l1));
+                    let lo = f32x4_add(f32x4_add(lo, f32x4_mul(a[2], l2)), f32x4_mul(a[3], l3));
+                    let hi = f32x4_add(f32x4_mul(a[0], h0), f32x4_mul(a[1], h1));
+                    let hi = f32x4_add(f32x4_add(hi, f32x4_mul(a[2], h2)), f32x4_mul(a[3], h3));
+                    let op = out.as_mut_ptr().add(b * 8) as *mut v128;
+                    v128_store(op, f32x4_add(v128_load(op), lo));
+                    v128_store(op.add(1), f32x4_add(v128_load(op.add(1)), hi));
+                }
+            }
+            // The columns past the last whole block, added as the portable kernel adds them.
+            for j in blocks * 8..n {
+                let h = |r: usize| f16_scaled(w[(k + r) * n + j]);
+                out[j] += x[k] * h(0) + x[k + 1] * h(1) + x[k + 2] * h(2) + x[k + 3] * h(3);
+            }
+        }
+        axpy_rows_f16_with(&x[full..], &w[full * n..rows * n], out, f16_scaled);
+    }
+}
 /// `out[n] += sum_k x[k] * w[k, n]` over the rows of `w` (`[x.len(), out.len()]`, f32),
 /// four rows per pass over `out`.
 pub fn axpy_rows(x: &[f32], w: &[f32], out: &mut [f32]) {
@@ -154,5 +291,65 @@ mod tests {
             let got = f16_to_f32(bits);
             assert_eq!(got.to_bits(), want.to_bits(), "bits {bits:#06x}");
         }
+    }
+
+    /// Deterministic finite f16 weights (every exponent, subnormals and both signs) and
+    /// activations.
+    fn case(k: usize, n: usize, big: bool) -> (Vec<f32>, Vec<u16>) {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let w = (0..k * n)
+            .map(|_| {
+                let h = next() as u16;
+                if f16_is_special(h) { h & 0x83ff } else { h }
+            })
+            .collect();
+        let mut x: Vec<f32> = (0..k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        if big {
+            x[k / 2] = 70000.0; // beyond SCALED_INPUT_LIMIT: the unscaled path
+        }
+        (x, w)
+    }
+
+    /// The f16 kernels give the f32 kernels' sums on the converted weights, bit for bit, on
+    /// the scaled path and on the path for large inputs, with row and column tails.
+    #[test]
+    fn f16_kernels_match_the_f32_kernels() {
+        for (k, n, big) in [(7, 13, false), (32, 24, false), (12, 40, true), (33, 5, true)] {
+            let (x, w) = case(k, n, big);
+            let mut w32 = vec![0f32; w.len()];
+            f16_to_f32_slice(&w, &mut w32);
+            // [k, n]: rows of w added into out.
+            let mut want = vec![0.5f32; n];
+            axpy_rows(&x, &w32, &mut want);
+            let mut got = vec![0.5f32; n];
+            axpy_rows_f16(&x, &w, &mut got);
+            assert_eq!(got, want, "axpy k={k} n={n} big={big}");
+            // [n, k]: one dot product per output.
+            let want: Vec<f32> = w32.chunks_exact(k).take(n).map(|r| dot_f16_ref(&x, r)).collect();
+            let mut got = vec![0f32; n];
+            matvec_f16_nk(&x, &w, &mut got);
+            assert_eq!(got, want, "matvec k={k} n={n} big={big}");
+        }
+    }
+
+    /// `dot_f16_with`'s order of additions over f32 weights.
+    fn dot_f16_ref(x: &[f32], w: &[f32]) -> f32 {
+        let mut acc = [0f32; 16];
+        for (xs, ws) in x.chunks_exact(16).zip(w.chunks_exact(16)) {
+            for i in 0..16 {
+                acc[i] += xs[i] * ws[i];
+            }
+        }
+        let mut sum: f32 = acc.iter().sum();
+        for i in x.len() / 16 * 16..x.len() {
+            sum += x[i] * w[i];
+        }
+        sum
     }
 }

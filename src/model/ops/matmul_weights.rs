@@ -13,7 +13,7 @@ use tract_onnx::prelude::f16;
 use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
-    axpy_rows, axpy_rows_f16, dot, dot4, dot_f16, f16_is_special, f16_to_f32_slice,
+    axpy_rows, axpy_rows_f16, dot, dot4, f16_is_special, f16_to_f32_slice, matvec_f16_nk,
 };
 use super::{initializer_dims, matmul_output_fact, node_label};
 
@@ -207,11 +207,13 @@ impl W<'_> {
 /// `out[r, j] = sum_k x[r, k] * w[j, k]`, `w` `[n, k]`.
 fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, n: usize, out: &mut [f32]) {
     if rows == 1 {
-        for (j, o) in out.iter_mut().enumerate() {
-            *o = match w {
-                W::F32(w) => dot(x, &w[j * k..(j + 1) * k]),
-                W::F16(w) => dot_f16(x, &w[j * k..(j + 1) * k]),
-            };
+        match w {
+            W::F32(w) => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = dot(x, &w[j * k..(j + 1) * k]);
+                }
+            }
+            W::F16(w) => matvec_f16_nk(x, &w[..n * k], out),
         }
         return;
     }
