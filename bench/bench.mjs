@@ -41,8 +41,11 @@ if (flag("help")) {
   process.exit(0);
 }
 const quick = flag("quick");
+// The default models: text models and Whisper (--batch batches prompts: text models only).
+const textModels = quick ? "fp32,q4" : "fp32,q4,fp16,int8,genai_int4";
+const defaultModels = flag("batch") ? textModels : `${textModels},whisper`;
 const options = {
-  models: list(opt("models", quick ? "fp32,q4,whisper" : "fp32,q4,fp16,int8,genai_int4,whisper")),
+  models: list(opt("models", defaultModels)),
   envs: list(opt("env", "node,chromium")),
   threads: list(opt("threads", quick ? "1" : "1,2")).map(Number),
   reps: Number(opt("reps", quick ? 1 : 2)),
