@@ -1,8 +1,9 @@
 // Side-by-side benchmark of onnx-generate (../pkg, built by scripts/build-wasm.sh) and
 // transformers.js 4.x on onnxruntime-web's wasm backend, on the same ONNX files, the same chat
-// prompt and exactly N greedy tokens, in Node and in headless Chromium. See bench/README.md.
+// prompt and exactly N greedy tokens (Whisper: the same clip, transcribed greedily), in Node and
+// in headless Chromium. See bench/README.md.
 //
-//   npm run bench -- [--quick] [--models fp32,q4] [--env node,chromium] [--threads 1,2]
+//   npm run bench -- [--quick] [--models fp32,q4,whisper] [--env node,chromium] [--threads 1,2]
 //                    [--reps N] [--tokens N] [--budget SECONDS] [--out FILE]
 //   npm run bench -- --batch 1,4,8 [--models fp32] [--env ...] [--tokens 16]   (onnx-generate only)
 import { execFileSync, spawn } from "node:child_process";
@@ -36,12 +37,15 @@ for (const a of argv) {
   }
 }
 if (flag("help")) {
-  console.log(readFileSync(fileURLToPath(import.meta.url), "utf8").split("\n").slice(0, 7).join("\n"));
+  console.log(readFileSync(fileURLToPath(import.meta.url), "utf8").split("\n").slice(0, 8).join("\n"));
   process.exit(0);
 }
 const quick = flag("quick");
+// The default models: text models and Whisper (--batch batches prompts: text models only).
+const textModels = quick ? "fp32,q4" : "fp32,q4,fp16,int8,genai_int4";
+const defaultModels = flag("batch") ? textModels : `${textModels},whisper`;
 const options = {
-  models: list(opt("models", quick ? "fp32,q4" : "fp32,q4,fp16,int8,genai_int4")),
+  models: list(opt("models", defaultModels)),
   envs: list(opt("env", "node,chromium")),
   threads: list(opt("threads", quick ? "1" : "1,2")).map(Number),
   reps: Number(opt("reps", quick ? 1 : 2)),
@@ -83,6 +87,9 @@ const models = options.models.flatMap((name) => {
 });
 for (const s of skipped) console.log(`bench: skipping ${s}`);
 if (models.length === 0) throw new Error("no model to run");
+if (options.batch.length && models.some((m) => m.speech)) {
+  throw new Error(`--batch: batches of rows are for text models (not ${models.filter((m) => m.speech).map((m) => m.name).join(", ")})`);
+}
 
 // ---- the machine -----------------------------------------------------------------------------
 const machine = {
@@ -116,6 +123,7 @@ const spec = (engine, model, threads) => ({
   chatTemplate: model.chatTemplate,
   newTokens: options.tokens,
   budgetMs: options.budgetMs,
+  speech: model.speech && { language: model.speech.language, encoder: model.speech.encoder },
 });
 
 /** The configurations of a model: onnx-generate on 1 thread, transformers.js on each count. */
@@ -167,6 +175,7 @@ async function startServer() {
       "/tjs/": join(tjsDir, "dist"),
       "/ort/": join(here, "node_modules/onnxruntime-web/dist"),
       "/models/": layoutRoot,
+      "/js-tests/": join(repo, "js-tests"), // wav.mjs, the WAV reader of the tests
     },
     // Cross-origin isolation: SharedArrayBuffer and so wasm threads.
     headers: { "cross-origin-opener-policy": "same-origin", "cross-origin-embedder-policy": "require-corp" },
@@ -282,8 +291,12 @@ try {
             `${env} ${model.name} ${c.engine} ${c.threads}t: ` +
               (r.error
                 ? `ERROR ${r.error}`
-                : `load ${(r.load_ms / 1000).toFixed(2)} s, first token ${(r.ttft_ms / 1000).toFixed(2)} s, ` +
-                  `decode ${r.decode_tps?.toFixed(2)} tok/s, peak ${r.peak_mb.toFixed(0)} MB, ${r.new_tokens} tokens: ${JSON.stringify(r.text.slice(0, 60))}`),
+                : `load ${(r.load_ms / 1000).toFixed(2)} s, ` +
+                  (model.speech
+                    ? `transcription ${(r.transcribe_ms / 1000).toFixed(2)} s of ${r.audio_s.toFixed(2)} s (RTF ${r.rtf.toFixed(3)}), `
+                    : "") +
+                  `first token ${(r.ttft_ms / 1000).toFixed(2)} s, decode ${r.decode_tps?.toFixed(2)} tok/s, ` +
+                  `peak ${r.peak_mb.toFixed(0)} MB, ${r.new_tokens} tokens: ${JSON.stringify(r.text.slice(0, 80))}`),
           );
         }
       }

@@ -142,6 +142,146 @@ export async function runTransformersJs({
   return figures({ loadMs, startedAt, times, promptIds, tokenIds, text, newTokens, extra: {} });
 }
 
+// Speech to text (Whisper): both engines transcribe the same mono PCM (a clip under 30 s is
+// one window), greedy, the language given, task "transcribe", until end-of-text (the model's
+// generation_config decides the rest, for both). Times:
+//   load        start of loading (runtime init, processor / feature extractor included) to a ready model
+//   transcribe  transcription called (log-mel features, encoder, decoding, text) to its result
+//   ttft        transcription called to the first new token (log-mel + encoder + prompt step)
+//   decode      the time between consecutive new tokens, 2..N (median)
+
+/** The figures of one transcription. */
+function speechFigures({ loadMs, startedAt, endedAt, times, audioSeconds, tokenIds, text, finishReason }) {
+  const gaps = times.slice(1).map((t, i) => t - times[i]);
+  const decodeMs = median(gaps);
+  const transcribeMs = endedAt - startedAt;
+  return {
+    load_ms: loadMs,
+    transcribe_ms: transcribeMs,
+    audio_s: audioSeconds,
+    rtf: transcribeMs / 1000 / audioSeconds,
+    ttft_ms: times.length > 0 ? times[0] - startedAt : null,
+    decode_ms: decodeMs,
+    decode_tps: decodeMs ? 1000 / decodeMs : null,
+    new_tokens: tokenIds.length,
+    token_ids: tokenIds,
+    text,
+    finish_reason: finishReason,
+  };
+}
+
+/**
+ * onnx-generate's `model.transcribe`: `load()` resolves with a `Model` (runtime init
+ * included), `pcm` is a Float32Array at `rate` Hz. Stops (finish_reason "abort") once
+ * `budgetMs` has passed since transcription started.
+ */
+export async function runOnnxGenerateTranscribe({ load, pcm, rate, language, budgetMs = Infinity }) {
+  const t0 = now();
+  const model = await load();
+  const loadMs = now() - t0;
+  const times = [];
+  const controller = new AbortController();
+  const startedAt = now();
+  const result = await model.transcribe(pcm, {
+    language,
+    task: "transcribe",
+    sampling_rate: rate,
+    do_sample: false,
+    signal: controller.signal,
+    on_token: () => {
+      times.push(now());
+      if (now() - startedAt > budgetMs) controller.abort();
+    },
+  });
+  const endedAt = now();
+  return speechFigures({
+    loadMs,
+    startedAt,
+    endedAt,
+    times,
+    audioSeconds: pcm.length / rate,
+    tokenIds: result.token_ids,
+    text: result.text,
+    finishReason: result.finish_reason,
+  });
+}
+
+/**
+ * transformers.js' Whisper: its processor (log-mel features) and
+ * WhisperForConditionalGeneration.generate, what its automatic-speech-recognition pipeline
+ * runs for a clip under 30 s, called directly so each token can be timed. `pcm` must be at the
+ * processor's sampling rate (transformers.js does not resample; its pipeline expects 16 kHz).
+ */
+export async function runTransformersJsTranscribe({
+  tjs,
+  modelId,
+  dtype,
+  device,
+  sessionOptions,
+  pcm,
+  rate,
+  language,
+  budgetMs = Infinity,
+}) {
+  const t0 = now();
+  // WhisperProcessor: the feature extractor and the tokenizer.
+  const processor = await tjs.AutoProcessor.from_pretrained(modelId);
+  const model = await tjs.WhisperForConditionalGeneration.from_pretrained(modelId, {
+    dtype,
+    device,
+    session_options: sessionOptions,
+  });
+  const loadMs = now() - t0;
+  const expected = processor.feature_extractor.config.sampling_rate;
+  if (rate !== expected) {
+    throw new Error(`transformers.js: the audio is at ${rate} Hz, the model takes ${expected} Hz (it does not resample)`);
+  }
+
+  const times = [];
+  let promptLength = null;
+  const budget = new tjs.InterruptableStoppingCriteria();
+  // generate() calls put() with the decoder prompt first, then with each new token.
+  class Timer extends tjs.BaseStreamer {
+    put(ids) {
+      if (promptLength === null) {
+        promptLength = ids[0].length;
+        return;
+      }
+      times.push(now());
+      if (now() - startedAt > budgetMs) budget.interrupt();
+    }
+    end() {}
+  }
+  const startedAt = now();
+  const { input_features } = await processor(pcm);
+  const output = await model.generate({
+    inputs: input_features,
+    language,
+    task: "transcribe",
+    do_sample: false,
+    streamer: new Timer(),
+    stopping_criteria: [budget],
+  });
+  // The new tokens without the end-of-text token (as onnx-generate's token_ids).
+  const eos = [model.generation_config.eos_token_id].flat();
+  let tokenIds = output.tolist()[0].slice(promptLength).map(Number);
+  const ended = tokenIds.length > 0 && eos.includes(tokenIds.at(-1));
+  if (ended) tokenIds = tokenIds.slice(0, -1);
+  const text = processor.tokenizer.decode(tokenIds, { skip_special_tokens: true });
+  const endedAt = now();
+  await model.dispose?.();
+  return speechFigures({
+    loadMs,
+    startedAt,
+    endedAt,
+    times,
+    audioSeconds: pcm.length / rate,
+    tokenIds,
+    text,
+    finishReason: ended ? "eos" : budget.interrupted ? "abort" : "length",
+  });
+}
+
 /** The prompts of the batch benchmark (the same as examples/bench_batch.rs, natively). */
 export const BATCH_TEXTS = [
   "The capital of France is",

@@ -7,10 +7,19 @@
 import { existsSync } from "node:fs";
 import { readFile } from "node:fs/promises";
 import { join } from "node:path";
-import { runOnnxGenerate, runOnnxGenerateBatches, runTransformersJs } from "./engines.mjs";
+import { readWav } from "../../js-tests/wav.mjs";
+import {
+  runOnnxGenerate,
+  runOnnxGenerateBatches,
+  runOnnxGenerateTranscribe,
+  runTransformersJs,
+  runTransformersJsTranscribe,
+} from "./engines.mjs";
 
 const spec = JSON.parse(process.argv[2]);
 const root = new URL("../../", import.meta.url);
+// A speech model's clip, decoded once before either engine starts (not timed).
+const audio = spec.speech ? readWav(await readFile(join(spec.model.dir, "audio.wav"))) : null;
 
 async function onnxGenerate() {
   const pkg = await import(new URL("pkg/onnx_generate.js", root));
@@ -23,6 +32,9 @@ async function onnxGenerate() {
     return pkg.Model.load({
       model: await readFile(join(dir, spec.model.onnx)),
       external_data: await optional(`${spec.model.onnx}.data`),
+      encoder: spec.speech ? await readFile(join(dir, spec.speech.encoder)) : undefined,
+      encoder_external_data: spec.speech ? await optional(`${spec.speech.encoder}.data`) : undefined,
+      preprocessor_config: await optional("preprocessor_config.json"),
       config: await readFile(join(dir, "config.json")),
       generation_config: await optional("generation_config.json"),
       tokenizer: await readFile(join(dir, "tokenizer.json")),
@@ -32,7 +44,9 @@ async function onnxGenerate() {
   };
   const result = spec.batch
     ? await runOnnxGenerateBatches({ load, rowsList: spec.batch, newTokens: spec.newTokens })
-    : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, budgetMs: spec.budgetMs });
+    : spec.speech
+      ? await runOnnxGenerateTranscribe({ load, ...audio, language: spec.speech.language, budgetMs: spec.budgetMs })
+      : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, budgetMs: spec.budgetMs });
   result.wasm_memory_mb = wasmMemory.buffer.byteLength / 2 ** 20;
   return result;
 }
@@ -46,17 +60,21 @@ async function transformersJs() {
   const tjs = await import("@huggingface/transformers");
   tjs.env.allowRemoteModels = false;
   tjs.env.localModelPath = spec.modelsRoot;
-  return runTransformersJs({
+  const common = {
     tjs,
     modelId: spec.model.name,
     dtype: spec.model.tjsDtype,
     // "auto" keeps transformers.js from mapping the device to onnxruntime-node's providers.
     device: "auto",
     sessionOptions: { executionProviders: ["wasm"] },
+    budgetMs: spec.budgetMs,
+  };
+  if (spec.speech) return runTransformersJsTranscribe({ ...common, ...audio, language: spec.speech.language });
+  return runTransformersJs({
+    ...common,
     input: spec.input,
     chatTemplate: spec.chatTemplate,
     newTokens: spec.newTokens,
-    budgetMs: spec.budgetMs,
   });
 }
 

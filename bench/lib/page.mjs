@@ -1,8 +1,23 @@
 // The benchmark's browser side (served by bench.mjs with COOP/COEP headers, so wasm threads
 // work): onnx-generate from /pkg/, transformers.js' browser bundle from /tjs/ with
-// onnxruntime-web's wasm files from /ort/, models from /models/<name>/.
-import { runOnnxGenerate, runOnnxGenerateBatches, runTransformersJs } from "./engines.mjs";
+// onnxruntime-web's wasm files from /ort/, models from /models/<name>/ (a speech model's clip
+// as /models/<name>/audio.wav, decoded by the tests' WAV reader from /js-tests/).
+import {
+  runOnnxGenerate,
+  runOnnxGenerateBatches,
+  runOnnxGenerateTranscribe,
+  runTransformersJs,
+  runTransformersJsTranscribe,
+} from "./engines.mjs";
 import { measureBandwidth } from "./bandwidth.mjs";
+
+/** `{ pcm, rate }` of a speech model's clip, fetched and decoded before the run (not timed). */
+async function audio(spec) {
+  const { readWav } = await import("/js-tests/wav.mjs");
+  const response = await fetch(`/models/${spec.model.name}/audio.wav`);
+  if (!response.ok) throw new Error(`audio.wav of ${spec.model.name}: HTTP ${response.status}`);
+  return readWav(new Uint8Array(await response.arrayBuffer()));
+}
 
 async function onnxGenerate(spec) {
   const pkg = await import("/pkg/onnx_generate.js");
@@ -11,14 +26,18 @@ async function onnxGenerate(spec) {
     ({ memory } = await pkg.default({ module_or_path: "/pkg/onnx_generate_bg.wasm" }));
     return pkg.Model.fromUrl(`/models/${spec.model.name}/`, { variant: spec.model.ogVariant });
   };
+  const clip = spec.speech ? await audio(spec) : null;
   const result = spec.batch
     ? await runOnnxGenerateBatches({ load, rowsList: spec.batch, newTokens: spec.newTokens })
-    : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, budgetMs: spec.budgetMs });
+    : spec.speech
+      ? await runOnnxGenerateTranscribe({ load, ...clip, language: spec.speech.language, budgetMs: spec.budgetMs })
+      : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, budgetMs: spec.budgetMs });
   result.wasm_memory_mb = memory.buffer.byteLength / 2 ** 20;
   return result;
 }
 
 async function transformersJs(spec) {
+  const clip = spec.speech ? await audio(spec) : null;
   const tjs = await import("/tjs/transformers.js");
   tjs.env.allowRemoteModels = false;
   tjs.env.allowLocalModels = true; // false by default in browsers
@@ -31,16 +50,9 @@ async function transformersJs(spec) {
     mjs: new URL("/ort/ort-wasm-simd-threaded.asyncify.mjs", location.href).href,
     wasm: new URL("/ort/ort-wasm-simd-threaded.asyncify.wasm", location.href).href,
   };
-  return runTransformersJs({
-    tjs,
-    modelId: spec.model.name,
-    dtype: spec.model.tjsDtype,
-    device: "wasm",
-    input: spec.input,
-    chatTemplate: spec.chatTemplate,
-    newTokens: spec.newTokens,
-    budgetMs: spec.budgetMs,
-  });
+  const common = { tjs, modelId: spec.model.name, dtype: spec.model.tjsDtype, device: "wasm", budgetMs: spec.budgetMs };
+  if (spec.speech) return runTransformersJsTranscribe({ ...common, ...clip, language: spec.speech.language });
+  return runTransformersJs({ ...common, input: spec.input, chatTemplate: spec.chatTemplate, newTokens: spec.newTokens });
 }
 
 window.benchRun = async (spec) => {

@@ -5,7 +5,7 @@ import { MESSAGES, TEXT_PROMPT } from "./models.mjs";
 
 const MB = 2 ** 20;
 // fp32 models: the two engines compute the same function, so greedy tokens must be equal.
-const MUST_AGREE = new Set(["fp32", "fixture"]);
+const MUST_AGREE = new Set(["fp32", "fixture", "whisper"]);
 
 function median(xs) {
   const v = xs.filter((x) => typeof x === "number" && Number.isFinite(x)).sort((a, b) => a - b);
@@ -32,6 +32,9 @@ function aggregate(rs) {
   const ids = ok[0].token_ids;
   return {
     load_ms: pick("load_ms"),
+    transcribe_ms: pick("transcribe_ms"),
+    audio_s: pick("audio_s"),
+    rtf: pick("rtf"),
     ttft_ms: pick("ttft_ms"),
     prefill_tps: pick("prefill_tps"),
     decode_ms: pick("decode_ms"),
@@ -43,6 +46,7 @@ function aggregate(rs) {
     prompt_ids: ok[0].prompt_ids,
     token_ids: ids,
     text: ok[0].text,
+    finish_reason: ok[0].finish_reason,
     reps: ok.length,
     errors: rs.length - ok.length,
     // Repetitions of one configuration must give the same greedy tokens.
@@ -50,11 +54,13 @@ function aggregate(rs) {
   };
 }
 
-export function report({ machine, options, models, runs, bandwidth, sizes }) {
+export function report({ machine, options, models: all, runs, bandwidth, sizes }) {
   const lines = [];
   const problems = [];
   const out = (s = "") => lines.push(s);
   const load = (l) => l.map((x) => x.toFixed(2)).join(" ");
+  const models = all.filter((m) => !m.speech);
+  const speechModels = all.filter((m) => m.speech);
 
   out(`# onnx-generate vs transformers.js: benchmark results`);
   out();
@@ -65,91 +71,94 @@ export function report({ machine, options, models, runs, bandwidth, sizes }) {
       `; transformers.js ${machine.tjs} on onnxruntime-web ${machine.ort} (wasm backend); onnx-generate ${machine.commit}.`,
   );
   out();
-  out(
-    `Same ONNX files, same prompt (${
-      models.every((m) => m.chatTemplate)
-        ? `the chat prompt "${MESSAGES[0].content}" with the template's system prompt`
-        : `"${TEXT_PROMPT}" for models without a chat template, else the chat prompt "${MESSAGES[0].content}"`
-    }), ` +
-      `greedy, exactly ${options.tokens} new tokens (end-of-sequence disabled with min_new_tokens); ` +
-      `${options.reps} repetition(s) per configuration, run A B A B, medians shown. ` +
-      `onnx-generate is single-threaded (no threads build yet): it always runs on 1 thread, and its ratios ` +
-      `compare it with transformers.js on the thread count of each ratio row. ` +
-      `The machine is shared: absolute figures drift, the ratios of the same run are what matter.`,
-  );
-  out();
-  out(
-    `Figures: **load** = runtime init + model files read + session ready; **first token** = generate() called to the ` +
-      `first new token (template, tokenization, prefill); **prefill** = prompt tokens / first-token time; ` +
-      `**decode** = 1 / median time between new tokens 2..${options.tokens}; **bound** = fraction of the memory-bandwidth ` +
-      `bound reached in decode (bytes of weights and KV cache read per token / time per token / bandwidth measured inside ` +
-      `wasm on the same thread count); **peak** = peak resident memory of the process (Node) or of the renderer ` +
-      `process (Chromium), runtime included; **x model** = peak / (weights + KV cache at the last token); ` +
-      `**CPU** = CPU time / wall time of the run. Ratios are onnx-generate / transformers.js: above 1 is better for ` +
-      `prefill, decode and bound, below 1 is better for load, first token and memory.`,
-  );
-  out();
-  out(`| env | model | engine | threads | load s | first token s | prefill tok/s | decode tok/s | bound | peak MB | x model | CPU | tokens |`);
-  out(`|---|---|---|---|---|---|---|---|---|---|---|---|---|`);
+  const texts = []; // the generated text of each configuration
+  if (models.length > 0) {
+    out(
+      `Same ONNX files, same prompt (${
+        models.every((m) => m.chatTemplate)
+          ? `the chat prompt "${MESSAGES[0].content}" with the template's system prompt`
+          : `"${TEXT_PROMPT}" for models without a chat template, else the chat prompt "${MESSAGES[0].content}"`
+      }), ` +
+        `greedy, exactly ${options.tokens} new tokens (end-of-sequence disabled with min_new_tokens); ` +
+        `${options.reps} repetition(s) per configuration, run A B A B, medians shown. ` +
+        `onnx-generate is single-threaded (no threads build yet): it always runs on 1 thread, and its ratios ` +
+        `compare it with transformers.js on the thread count of each ratio row. ` +
+        `The machine is shared: absolute figures drift, the ratios of the same run are what matter.`,
+    );
+    out();
+    out(
+      `Figures: **load** = runtime init + model files read + session ready; **first token** = generate() called to the ` +
+        `first new token (template, tokenization, prefill); **prefill** = prompt tokens / first-token time; ` +
+        `**decode** = 1 / median time between new tokens 2..${options.tokens}; **bound** = fraction of the memory-bandwidth ` +
+        `bound reached in decode (bytes of weights and KV cache read per token / time per token / bandwidth measured inside ` +
+        `wasm on the same thread count); **peak** = peak resident memory of the process (Node) or of the renderer ` +
+        `process (Chromium), runtime included; **x model** = peak / (weights + KV cache at the last token); ` +
+        `**CPU** = CPU time / wall time of the run. Ratios are onnx-generate / transformers.js: above 1 is better for ` +
+        `prefill, decode and bound, below 1 is better for load, first token and memory.`,
+    );
+    out();
+    out(`| env | model | engine | threads | load s | first token s | prefill tok/s | decode tok/s | bound | peak MB | x model | CPU | tokens |`);
+    out(`|---|---|---|---|---|---|---|---|---|---|---|---|---|`);
 
-  const texts = [];
-  for (const env of Object.keys(bandwidth)) {
-    for (const model of models) {
-      const group = (engine, threads) =>
-        aggregate(runs.filter((r) => r.env === env && r.model === model.name && r.engine === engine && r.threads === threads));
-      const bytesPerToken = (a) =>
-        model.weights.perToken + model.cacheBytes((a.prompt_tokens || 0) + options.tokens / 2);
-      const modelBytes = (a) => model.weights.total + model.cacheBytes((a.prompt_tokens || 0) + options.tokens);
-      const bound = (a, threads) => {
-        const bw = bandwidth[env][threads];
-        if (!a.decode_ms || !bw) return null;
-        return bytesPerToken(a) / (a.decode_ms / 1000) / (bw.gbps * 1e9);
-      };
-      const row = (engine, threads, a) => {
-        if (a.error) {
-          problems.push(`${env} ${model.name} ${engine} ${threads}t failed: ${a.error}`);
-          return `| ${env} | ${model.name} | ${engine} | ${threads} | failed: ${a.error.replace(/\|/g, "/").slice(0, 200)} |||||||||`;
+    for (const env of Object.keys(bandwidth)) {
+      for (const model of models) {
+        const group = (engine, threads) =>
+          aggregate(runs.filter((r) => r.env === env && r.model === model.name && r.engine === engine && r.threads === threads));
+        const bytesPerToken = (a) =>
+          model.weights.perToken + model.cacheBytes((a.prompt_tokens || 0) + options.tokens / 2);
+        const modelBytes = (a) => model.weights.total + model.cacheBytes((a.prompt_tokens || 0) + options.tokens);
+        const bound = (a, threads) => {
+          const bw = bandwidth[env][threads];
+          if (!a.decode_ms || !bw) return null;
+          return bytesPerToken(a) / (a.decode_ms / 1000) / (bw.gbps * 1e9);
+        };
+        const row = (engine, threads, a) => {
+          if (a.error) {
+            problems.push(`${env} ${model.name} ${engine} ${threads}t failed: ${a.error}`);
+            return `| ${env} | ${model.name} | ${engine} | ${threads} | failed: ${a.error.replace(/\|/g, "/").slice(0, 200)} |||||||||`;
+          }
+          const b = bound(a, threads);
+          const tokens = `${a.new_tokens}${a.new_tokens < options.tokens ? " (budget)" : ""}`;
+          return (
+            `| ${env} | ${model.name} | ${engine} | ${threads} | ${fmt(a.load_ms / 1000, 2)} | ${fmt(a.ttft_ms / 1000, 2)} | ` +
+            `${fmt(a.prefill_tps)} | ${fmt(a.decode_tps, 2)} | ${b === null ? "-" : Math.round(b * 100) + "%"} | ` +
+            `${fmt(a.peak_mb, 0)} | ${fmt((a.peak_mb * MB) / modelBytes(a), 2)} | ${fmt(a.cpu_per_wall, 2)} | ${tokens} |`
+          );
+        };
+        const og = group("onnx-generate", 1);
+        out(row("onnx-generate", 1, og));
+        if (!og.error) texts.push({ env, model: model.name, engine: "onnx-generate", threads: 1, ...og });
+        if (!model.tjsDtype) continue;
+        for (const t of options.threads) {
+          const tj = group("transformers.js", t);
+          out(row("transformers.js", t, tj));
+          if (tj.error) continue;
+          texts.push({ env, model: model.name, engine: "transformers.js", threads: t, ...tj });
+          if (og.error) continue;
+          // A run stopped by the time budget made fewer tokens: compare the tokens both made.
+          const n = Math.min(og.token_ids.length, tj.token_ids.length);
+          const diff = firstDifference(og.token_ids.slice(0, n), tj.token_ids.slice(0, n));
+          const promptDiff = firstDifference(og.prompt_ids, tj.prompt_ids);
+          let same = diff >= 0 ? `tokens differ from #${diff + 1}` : n < options.tokens ? `same ${n} first tokens` : "same tokens";
+          if (promptDiff >= 0) same += `; PROMPT IDS DIFFER at ${promptDiff}`;
+          if ((diff >= 0 && MUST_AGREE.has(model.name)) || promptDiff >= 0) {
+            same = `**MISMATCH**: ${same}`;
+            problems.push(`${env} ${model.name}: onnx-generate and transformers.js ${t}t disagree (${same})`);
+          }
+          const bo = bound(og, 1);
+          const bt = bound(tj, t);
+          out(
+            `| ${env} | ${model.name} | **ratio** | 1 / ${t} | ${ratio(og.load_ms, tj.load_ms)} | ${ratio(og.ttft_ms, tj.ttft_ms)} | ` +
+              `${ratio(og.prefill_tps, tj.prefill_tps)} | **${ratio(og.decode_tps, tj.decode_tps)}** | ${ratio(bo, bt)} | ` +
+              `${ratio(og.peak_mb, tj.peak_mb)} | | | ${same} |`,
+          );
         }
-        const b = bound(a, threads);
-        const tokens = `${a.new_tokens}${a.new_tokens < options.tokens ? " (budget)" : ""}`;
-        return (
-          `| ${env} | ${model.name} | ${engine} | ${threads} | ${fmt(a.load_ms / 1000, 2)} | ${fmt(a.ttft_ms / 1000, 2)} | ` +
-          `${fmt(a.prefill_tps)} | ${fmt(a.decode_tps, 2)} | ${b === null ? "-" : Math.round(b * 100) + "%"} | ` +
-          `${fmt(a.peak_mb, 0)} | ${fmt((a.peak_mb * MB) / modelBytes(a), 2)} | ${fmt(a.cpu_per_wall, 2)} | ${tokens} |`
-        );
-      };
-      const og = group("onnx-generate", 1);
-      out(row("onnx-generate", 1, og));
-      if (!og.error) texts.push({ env, model: model.name, engine: "onnx-generate", threads: 1, ...og });
-      if (!model.tjsDtype) continue;
-      for (const t of options.threads) {
-        const tj = group("transformers.js", t);
-        out(row("transformers.js", t, tj));
-        if (tj.error) continue;
-        texts.push({ env, model: model.name, engine: "transformers.js", threads: t, ...tj });
-        if (og.error) continue;
-        // A run stopped by the time budget made fewer tokens: compare the tokens both made.
-        const n = Math.min(og.token_ids.length, tj.token_ids.length);
-        const diff = firstDifference(og.token_ids.slice(0, n), tj.token_ids.slice(0, n));
-        const promptDiff = firstDifference(og.prompt_ids, tj.prompt_ids);
-        let same = diff >= 0 ? `tokens differ from #${diff + 1}` : n < options.tokens ? `same ${n} first tokens` : "same tokens";
-        if (promptDiff >= 0) same += `; PROMPT IDS DIFFER at ${promptDiff}`;
-        if ((diff >= 0 && MUST_AGREE.has(model.name)) || promptDiff >= 0) {
-          same = `**MISMATCH**: ${same}`;
-          problems.push(`${env} ${model.name}: onnx-generate and transformers.js ${t}t disagree (${same})`);
-        }
-        const bo = bound(og, 1);
-        const bt = bound(tj, t);
-        out(
-          `| ${env} | ${model.name} | **ratio** | 1 / ${t} | ${ratio(og.load_ms, tj.load_ms)} | ${ratio(og.ttft_ms, tj.ttft_ms)} | ` +
-            `${ratio(og.prefill_tps, tj.prefill_tps)} | **${ratio(og.decode_tps, tj.decode_tps)}** | ${ratio(bo, bt)} | ` +
-            `${ratio(og.peak_mb, tj.peak_mb)} | | | ${same} |`,
-        );
+        for (const a of [og]) if (a.unstable) problems.push(`${env} ${model.name}: repetitions gave different tokens`);
       }
-      for (const a of [og]) if (a.unstable) problems.push(`${env} ${model.name}: repetitions gave different tokens`);
     }
+    out();
   }
-  out();
+  if (speechModels.length > 0) speechTable({ options, models: speechModels, envs: Object.keys(bandwidth), runs, texts, problems, out });
 
   out(`## Generated text`);
   out();
@@ -185,6 +194,11 @@ export function report({ machine, options, models, runs, bandwidth, sizes }) {
   for (const m of models) {
     out(`| ${m.name} | ${fmt(m.weights.total / MB)} | ${fmt(m.weights.perToken / MB)} | ${fmt(m.weights.gatherOnly / MB)} |`);
   }
+  for (const m of speechModels) {
+    const e = m.speech.encoderWeights;
+    out(`| ${m.name} encoder (once per 30 s window) | ${fmt(e.total / MB)} | - | - |`);
+    out(`| ${m.name} decoder (merged) | ${fmt(m.weights.total / MB)} | ${fmt(m.weights.perToken / MB)} | ${fmt(m.weights.gatherOnly / MB)} |`);
+  }
   out();
 
   out(`## Download size`);
@@ -204,6 +218,95 @@ export function report({ machine, options, models, runs, bandwidth, sizes }) {
     out();
   }
   return { markdown: lines.join("\n"), problems };
+}
+
+/**
+ * The speech-to-text table: per env and speech model, each engine's load, transcription time,
+ * real-time factor, first token, decode, peak memory; a ratio row per transformers.js thread
+ * count; whether the two transcripts agree (fp32: they must, else a problem).
+ */
+function speechTable({ options, models, envs, runs, texts, problems, out }) {
+  out(`## Speech to text (real-time factor)`);
+  out();
+  const clips = [...new Set(models.map((m) => m.speech.clip))].join(", ");
+  out(
+    `The same ONNX files (encoder_model.onnx + decoder_model_merged.onnx) and the same clip (${clips}), ` +
+      `transcribed by onnx-generate's \`model.transcribe(pcm, { language, task: "transcribe" })\` and by transformers.js' ` +
+      `Whisper processor + \`WhisperForConditionalGeneration.generate({ language, task: "transcribe" })\` (what its ` +
+      `automatic-speech-recognition pipeline runs for a clip under 30 s), greedy, until end-of-text; ` +
+      `${options.reps} repetition(s) per configuration, medians shown.`,
+  );
+  out();
+  out(
+    `Figures: **load** = runtime init + model files read + sessions ready (processor included); **transcription** = ` +
+      `transcription called (log-mel features, encoder, decoding, text) to its result; **RTF** = real-time factor, ` +
+      `transcription / audio duration (below 1 is faster than real time); **first token** = transcription called to ` +
+      `the first new token (log-mel, encoder, prompt step); **decode** = 1 / median time between new tokens 2..N; ` +
+      `**peak**, **x model** (peak / encoder and decoder weights) and **CPU** as above.`,
+  );
+  out();
+  out(`| env | model | engine | threads | load s | transcription s | RTF | first token s | decode tok/s | peak MB | x model | CPU | tokens |`);
+  out(`|---|---|---|---|---|---|---|---|---|---|---|---|---|`);
+  for (const env of envs) {
+    for (const model of models) {
+      const group = (engine, threads) =>
+        aggregate(runs.filter((r) => r.env === env && r.model === model.name && r.engine === engine && r.threads === threads));
+      const modelBytes = model.weights.total + model.speech.encoderWeights.total;
+      const row = (engine, threads, a) => {
+        if (a.error) {
+          problems.push(`${env} ${model.name} ${engine} ${threads}t failed: ${a.error}`);
+          return `| ${env} | ${model.name} | ${engine} | ${threads} | failed: ${a.error.replace(/\|/g, "/").slice(0, 200)} |||||||||`;
+        }
+        const tokens = `${a.new_tokens}${a.finish_reason === "abort" ? " (budget)" : ""}`;
+        return (
+          `| ${env} | ${model.name} | ${engine} | ${threads} | ${fmt(a.load_ms / 1000, 2)} | ${fmt(a.transcribe_ms / 1000, 2)} | ` +
+          `${fmt(a.rtf, 3)} | ${fmt(a.ttft_ms / 1000, 2)} | ${fmt(a.decode_tps, 2)} | ${fmt(a.peak_mb, 0)} | ` +
+          `${fmt((a.peak_mb * MB) / modelBytes, 2)} | ${fmt(a.cpu_per_wall, 2)} | ${tokens} |`
+        );
+      };
+      const og = group("onnx-generate", 1);
+      out(row("onnx-generate", 1, og));
+      if (!og.error) texts.push({ env, model: model.name, engine: "onnx-generate", threads: 1, ...og });
+      for (const t of options.threads) {
+        const tj = group("transformers.js", t);
+        out(row("transformers.js", t, tj));
+        if (tj.error) continue;
+        texts.push({ env, model: model.name, engine: "transformers.js", threads: t, ...tj });
+        if (og.error) continue;
+        // Token ids and text: a run stopped by the budget is compared on the tokens both made.
+        const n = Math.min(og.token_ids.length, tj.token_ids.length);
+        const diff = firstDifference(og.token_ids.slice(0, n), tj.token_ids.slice(0, n));
+        const complete = og.finish_reason !== "abort" && tj.finish_reason !== "abort";
+        let same =
+          diff >= 0
+            ? `tokens differ from #${diff + 1}`
+            : !complete
+              ? `same ${n} first tokens`
+              : og.token_ids.length !== tj.token_ids.length
+                ? `one stops after ${n} tokens, the other goes on`
+                : og.text !== tj.text
+                  ? "same tokens, TEXTS DIFFER"
+                  : "same text";
+        // fp32: the transcripts must be the same (as far as a budget let both go).
+        if ((diff >= 0 || (complete && same !== "same text")) && MUST_AGREE.has(model.name)) {
+          same = `**MISMATCH**: ${same}`;
+          problems.push(`${env} ${model.name}: onnx-generate and transformers.js ${t}t transcribe differently (${same})`);
+        }
+        out(
+          `| ${env} | ${model.name} | **ratio** | 1 / ${t} | ${ratio(og.load_ms, tj.load_ms)} | ` +
+            `${ratio(og.transcribe_ms, tj.transcribe_ms)} | **${ratio(og.rtf, tj.rtf)}** | ${ratio(og.ttft_ms, tj.ttft_ms)} | ` +
+            `${ratio(og.decode_tps, tj.decode_tps)} | ${ratio(og.peak_mb, tj.peak_mb)} | | | ${same} |`,
+        );
+      }
+      if (og.unstable) problems.push(`${env} ${model.name}: repetitions gave different tokens`);
+    }
+  }
+  out();
+  out(
+    `Ratios are onnx-generate / transformers.js: below 1 is better for load, transcription, RTF, first token and ` +
+      `memory, above 1 for decode.`,
+  );
+  out();
 }
 
 /** The report of `--batch`: onnx-generate's tokens/s on batches of rows, per env and model. */
