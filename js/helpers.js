@@ -51,7 +51,12 @@ async function readResponse(response, file, onProgress, sink) {
     report(onProgress, file, bytes.length, bytes.length);
     return bytes;
   }
-  const reader = response.body.getReader();
+  return readStream(response.body, total, file, onProgress, sink);
+}
+
+/** A ReadableStream of bytes (`total` of them when known), as `readResponse` reads a body. */
+async function readStream(stream, total, file, onProgress, sink) {
+  const reader = stream.getReader();
   const chunks = [];
   let loaded = 0;
   report(onProgress, file, 0, total);
@@ -95,6 +100,10 @@ async function readSource(source, file, onProgress, sink) {
     return bytes;
   }
   if (typeof Blob !== "undefined" && source instanceof Blob) {
+    // A Blob (a File, or Node's `fs.openAsBlob`) is streamed into wasm memory with `sink`.
+    if (sink && typeof source.stream === "function") {
+      return readStream(source.stream(), source.size || null, file, onProgress, sink);
+    }
     report(onProgress, file, 0, source.size);
     const bytes = new Uint8Array(await source.arrayBuffer());
     report(onProgress, file, bytes.length, bytes.length);
