@@ -260,3 +260,23 @@ test("Model.fromUrl reads a served folder with per-file progress", async () => {
     server.close();
   }
 });
+
+test("Blob and Response sources are streamed into the engine and load the same model", async () => {
+  const bytes = await files("llama");
+  const progress = [];
+  const m = await Model.load(
+    {
+      ...bytes,
+      model: new Blob([bytes.model]),
+      tokenizer: new Response(bytes.tokenizer),
+      config: new Blob([bytes.config]),
+    },
+    { on_progress: (p) => progress.push(p) },
+  );
+  assert.deepEqual((await m.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN);
+  const last = progress.filter((p) => p.file === "model").at(-1);
+  assert.equal(last.loaded, bytes.model.length);
+  assert.equal(last.total, bytes.model.length);
+  // An empty streamed file is the same error as empty bytes.
+  await assert.rejects(Model.load({ ...bytes, model: new Blob([]) }), /model.onnx is empty|is empty/);
+});

@@ -30,8 +30,17 @@ function report(onProgress, file, loaded, total) {
   if (typeof onProgress === "function") onProgress({ file, loaded, total });
 }
 
-/** The body of a Response as bytes, reporting progress as chunks arrive. */
-async function readResponse(response, file, onProgress) {
+/**
+ * What `readResponse` returns for a body it handed to `sink` chunk by chunk (the engine copies
+ * each chunk into wasm memory as it arrives: no JavaScript copy of the whole file exists).
+ */
+const STREAMED = { streamed: true };
+
+/**
+ * The body of a Response as bytes, reporting progress as chunks arrive; with `sink`, each chunk
+ * goes to `sink(file, chunk, total)` instead and the result is `STREAMED`.
+ */
+async function readResponse(response, file, onProgress, sink) {
   if (!response.ok) {
     throw new Error(`${file}: HTTP ${response.status} ${response.statusText} for ${response.url}`);
   }
@@ -42,16 +51,27 @@ async function readResponse(response, file, onProgress) {
     report(onProgress, file, bytes.length, bytes.length);
     return bytes;
   }
-  const reader = response.body.getReader();
+  return readStream(response.body, total, file, onProgress, sink);
+}
+
+/** A ReadableStream of bytes (`total` of them when known), as `readResponse` reads a body. */
+async function readStream(stream, total, file, onProgress, sink) {
+  const reader = stream.getReader();
   const chunks = [];
   let loaded = 0;
   report(onProgress, file, 0, total);
   for (;;) {
     const { done, value } = await reader.read();
     if (done) break;
-    chunks.push(value);
+    if (sink) sink(file, value, total);
+    else chunks.push(value);
     loaded += value.length;
     report(onProgress, file, loaded, total);
+  }
+  if (sink) {
+    if (loaded === 0) sink(file, new Uint8Array(0), 0);
+    if (total !== loaded) report(onProgress, file, loaded, loaded);
+    return STREAMED;
   }
   // A compressed transfer makes Content-Length differ from the bytes read: report the truth.
   if (total !== loaded) report(onProgress, file, loaded, loaded);
@@ -66,7 +86,7 @@ async function readResponse(response, file, onProgress) {
 }
 
 /** One file from bytes, a Blob/File, a Response, a URL or a URL string. */
-async function readSource(source, file, onProgress) {
+async function readSource(source, file, onProgress, sink) {
   if (source instanceof Uint8Array) {
     report(onProgress, file, source.length, source.length);
     return source;
@@ -80,13 +100,17 @@ async function readSource(source, file, onProgress) {
     return bytes;
   }
   if (typeof Blob !== "undefined" && source instanceof Blob) {
+    // A Blob (a File, or Node's `fs.openAsBlob`) is streamed into wasm memory with `sink`.
+    if (sink && typeof source.stream === "function") {
+      return readStream(source.stream(), source.size || null, file, onProgress, sink);
+    }
     report(onProgress, file, 0, source.size);
     const bytes = new Uint8Array(await source.arrayBuffer());
     report(onProgress, file, bytes.length, bytes.length);
     return bytes;
   }
   if (typeof Response !== "undefined" && source instanceof Response) {
-    return readResponse(source, file, onProgress);
+    return readResponse(source, file, onProgress, sink);
   }
   if (typeof source === "string" || source instanceof URL) {
     let response;
@@ -95,7 +119,7 @@ async function readSource(source, file, onProgress) {
     } catch (e) {
       throw new Error(`${file}: cannot fetch ${source}: ${e.message}`);
     }
-    return readResponse(response, file, onProgress);
+    return readResponse(response, file, onProgress, sink);
   }
   throw new Error(
     `${file}: expected bytes (Uint8Array, ArrayBuffer), a Blob, a Response or a URL, got ${describe(source)}`,
@@ -111,10 +135,11 @@ async function readText(source, file, onProgress) {
 }
 
 /**
- * Read every file of `Model.load`: returns `{name: Uint8Array}` with `model_name`.
+ * Read every file of `Model.load`: returns `{name: Uint8Array}` with `model_name`; with `sink`,
+ * the bodies of Responses and URLs go to it chunk by chunk (their entries are `STREAMED`).
  * Unknown names are errors that list the valid ones.
  */
-export async function readModelFiles(files, onProgress) {
+export async function readModelFiles(files, onProgress, sink) {
   if (files === null || typeof files !== "object" || Array.isArray(files)) {
     throw new Error(
       `Model.load expects an object of files {${Object.keys(FILES).join(", ")}}, got ${describe(files)}`,
@@ -133,7 +158,7 @@ export async function readModelFiles(files, onProgress) {
     .filter((name) => files[name] != null)
     .map(async (name) => {
       const read = name === "chat_template" ? readText : readSource;
-      out[name] = await read(files[name], name, onProgress);
+      out[name] = await read(files[name], name, onProgress, sink);
     });
   await Promise.all(reads);
   out.model_name = files.model_name || sourceName(files.model) || "model.onnx";
@@ -166,7 +191,7 @@ async function tryFetch(url) {
  * `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`; for an encoder-decoder
  * also `encoder_model*.onnx` (and its `.data`) and `preprocessor_config.json`.
  */
-export async function fetchModelFolder(base, variant, onProgress) {
+export async function fetchModelFolder(base, variant, onProgress, sink) {
   let root = String(base);
   if (!root.endsWith("/")) root += "/";
   const suffix = variant && variant !== "fp32" ? `_${variant}` : "";
@@ -220,7 +245,7 @@ export async function fetchModelFolder(base, variant, onProgress) {
       }
     }),
   ]);
-  return readModelFiles(files, onProgress);
+  return readModelFiles(files, onProgress, sink);
 }
 
 /** A promise that resolves on a later turn of the event loop (after timers and input). */

@@ -2,7 +2,6 @@
 //! from bytes (a browser has no file system), and fixing graph inputs to constants.
 
 use tract_onnx::pb;
-use tract_onnx::prelude::Framework;
 
 use crate::error::{Error, Result};
 
@@ -14,8 +13,9 @@ pub fn decode(bytes: &[u8], external: Option<&[u8]>, file_name: &str) -> Result<
     if bytes.is_empty() {
         return Err(Error::Model(format!("{file_name} is empty")));
     }
-    let mut proto = tract_onnx::onnx()
-        .proto_model_for_read(&mut &bytes[..])
+    // Straight from the bytes: tract's `proto_model_for_read` copies them into a buffer of its
+    // own first, which adds a third copy of the weights to the peak of loading.
+    let mut proto = <pb::ModelProto as prost::Message>::decode(bytes)
         .map_err(|e| Error::Model(format!("{file_name} is not a valid ONNX file: {e}")))?;
     let graph = proto
         .graph

@@ -113,7 +113,10 @@ impl TractDecoder {
             (template, first)
         } else {
             logits_of_last_positions(&mut proto, &sig.logits_name);
-            (parse_graph(&proto, &sig)?, None)
+            let template = parse_graph(&proto, &sig)?;
+            // Freed before the plan is compiled (which adds tract's packed weights).
+            drop(proto);
+            (template, None)
         };
         let decoder = TractDecoder(Arc::new(Inner {
             sig,

@@ -8,6 +8,8 @@ mod transcribe;
 mod types;
 mod vision;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 
 use js_sys::{Array, Function, Object, Promise, Reflect, Uint8Array, JSON};
@@ -23,12 +25,17 @@ use crate::model::{Model, ModelFiles};
 #[wasm_bindgen(module = "/js/helpers.js")]
 extern "C" {
     #[wasm_bindgen(catch, js_name = readModelFiles)]
-    async fn read_model_files(files: JsValue, on_progress: JsValue) -> Result<JsValue, JsValue>;
+    async fn read_model_files(
+        files: JsValue,
+        on_progress: JsValue,
+        sink: &JsValue,
+    ) -> Result<JsValue, JsValue>;
     #[wasm_bindgen(catch, js_name = fetchModelFolder)]
     async fn fetch_model_folder(
         base: JsValue,
         variant: JsValue,
         on_progress: JsValue,
+        sink: &JsValue,
     ) -> Result<JsValue, JsValue>;
     #[wasm_bindgen(js_name = yieldToEventLoop)]
     fn yield_to_event_loop() -> Promise;
@@ -80,11 +87,54 @@ pub struct JsModel {
     inner: Rc<Loaded>,
 }
 
+/// The files whose bodies `js/helpers.js` streams into wasm memory chunk by chunk (Responses and
+/// URLs): no JavaScript copy of a whole file is made, so a model fetched from a URL is held once
+/// (here) until it is decoded, not also in the JavaScript heap.
+struct Received {
+    files: Rc<RefCell<HashMap<String, Vec<u8>>>>,
+    /// `sink(file, chunk, total)` for `js/helpers.js`; alive while the files are read.
+    sink: Closure<dyn FnMut(String, Uint8Array, JsValue)>,
+}
+
+impl Received {
+    fn new() -> Received {
+        let files: Rc<RefCell<HashMap<String, Vec<u8>>>> = Rc::default();
+        let into = files.clone();
+        let sink = Closure::new(move |file: String, chunk: Uint8Array, total: JsValue| {
+            let mut files = into.borrow_mut();
+            let bytes = files.entry(file).or_insert_with(|| {
+                // The announced length, so the buffer is not regrown (each regrowth would hold
+                // the old and the new buffer at once).
+                let total = total.as_f64().filter(|t| *t > 0.0).unwrap_or(0.0);
+                Vec::with_capacity(total as usize)
+            });
+            let at = bytes.len();
+            bytes.resize(at + chunk.length() as usize, 0);
+            chunk.copy_to(&mut bytes[at..]);
+        });
+        Received { files, sink }
+    }
+
+    fn sink(&self) -> &JsValue {
+        self.sink.as_ref()
+    }
+
+    /// The bytes of file `name`: given as bytes (`Uint8Array` in `read`), or streamed here.
+    fn take(&self, read: &JsValue, name: &str) -> Option<Vec<u8>> {
+        let v = get(read, name);
+        match v.dyn_ref::<Uint8Array>() {
+            Some(bytes) => Some(bytes.to_vec()),
+            None => self.files.borrow_mut().remove(name),
+        }
+    }
+}
+
 /// `Model.load(files, options)` as a Rust future (the tests call it directly).
 pub async fn load_model(files: JsValue, options: JsValue) -> Result<JsModel, JsValue> {
     let on_progress = get(&options, "on_progress");
-    let bytes = read_model_files(files, on_progress).await?;
-    model_from_bytes(&bytes)
+    let received = Received::new();
+    let bytes = read_model_files(files, on_progress, received.sink()).await?;
+    model_from_bytes(&bytes, &received)
 }
 
 /// `Model.fromUrl(base, options)` as a Rust future.
@@ -95,16 +145,19 @@ pub async fn load_model_from_url(base: JsValue, options: JsValue) -> Result<JsMo
             describe(&base)
         )));
     }
-    let bytes =
-        fetch_model_folder(base, get(&options, "variant"), get(&options, "on_progress")).await?;
-    model_from_bytes(&bytes)
+    let received = Received::new();
+    let bytes = fetch_model_folder(
+        base,
+        get(&options, "variant"),
+        get(&options, "on_progress"),
+        received.sink(),
+    )
+    .await?;
+    model_from_bytes(&bytes, &received)
 }
 
-fn model_from_bytes(bytes: &JsValue) -> Result<JsModel, JsValue> {
-    let file = |name: &str| -> Option<Vec<u8>> {
-        let v = get(bytes, name);
-        v.dyn_ref::<Uint8Array>().map(Uint8Array::to_vec)
-    };
+fn model_from_bytes(bytes: &JsValue, received: &Received) -> Result<JsModel, JsValue> {
+    let file = |name: &str| received.take(bytes, name);
     let required = |name: &str| {
         file(name)
             .ok_or_else(|| js_error(Error::Model(format!("the model file `{name}` is missing"))))

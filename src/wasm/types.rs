@@ -5,7 +5,7 @@ use wasm_bindgen::prelude::*;
 
 #[wasm_bindgen(typescript_custom_section)]
 const TYPES: &'static str = r#"
-/** Bytes of a file, or where to read them: a Blob/File, a fetch `Response`, or a URL. */
+/** Bytes of a file, or where to read them: a Blob/File, a fetch `Response`, or a URL (these three are streamed into wasm memory as they are read; in Node, `fs.openAsBlob(path)` reads a file that way). */
 export type FileSource = Uint8Array | ArrayBuffer | ArrayBufferView | Blob | Response | URL | string;
 
 /** The files of a model for `Model.load`. */
