@@ -60,6 +60,13 @@ if (!(options.tokens >= 2)) throw new Error("--tokens must be at least 2 (decode
 
 const pkgWasm = join(repo, "pkg/onnx_generate_bg.wasm");
 if (!existsSync(pkgWasm)) throw new Error(`${pkgWasm} not found: build it with scripts/build-wasm.sh`);
+// onnx-generate on more than one thread: the threads build (pkg-threads/), in Chromium only
+// (wasm-bindgen-rayon's workers are Web Workers, which Node lacks).
+const threadsWasm = join(repo, "pkg-threads/onnx_generate_bg.wasm");
+const hasThreadsPkg = existsSync(threadsWasm);
+if (options.threads.some((t) => t > 1) && options.envs.includes("chromium") && !hasThreadsPkg) {
+  console.log("bench: pkg-threads/ not found (scripts/build-wasm.sh --threads): onnx-generate runs on 1 thread only");
+}
 const tjsDir = join(here, "node_modules/@huggingface/transformers");
 if (!existsSync(tjsDir)) throw new Error("transformers.js is not installed: run `npm install` in bench/ (see bench/README.md)");
 
@@ -118,9 +125,16 @@ const spec = (engine, model, threads) => ({
   budgetMs: options.budgetMs,
 });
 
-/** The configurations of a model: onnx-generate on 1 thread, transformers.js on each count. */
-function configs(model) {
-  const out = [{ engine: "onnx-generate", threads: 1 }];
+/** onnx-generate's thread counts in `env`: 1 (pkg/), and in Chromium each larger count of
+ * --threads when the threads build is there. */
+function ogThreads(env) {
+  const more = env === "chromium" && hasThreadsPkg ? options.threads.filter((t) => t > 1) : [];
+  return [1, ...more];
+}
+
+/** The configurations of a model in `env`: onnx-generate and transformers.js on each count. */
+function configs(model, env) {
+  const out = ogThreads(env).map((t) => ({ engine: "onnx-generate", threads: t }));
   if (model.tjsDtype) for (const t of options.threads) out.push({ engine: "transformers.js", threads: t });
   return out;
 }
@@ -163,6 +177,7 @@ async function startServer() {
     port: 0,
     mounts: {
       "/pkg/": join(repo, "pkg"),
+      "/pkg-threads/": join(repo, "pkg-threads"),
       "/bench/": join(here, "lib"),
       "/tjs/": join(tjsDir, "dist"),
       "/ort/": join(here, "node_modules/onnxruntime-web/dist"),
@@ -273,7 +288,7 @@ try {
       }
       for (let rep = 0; rep < options.reps; rep++) {
         // A B A B: the order flips each repetition, so drift over time does not favour one.
-        const order = rep % 2 === 0 ? configs(model) : [...configs(model)].reverse();
+        const order = rep % 2 === 0 ? configs(model, env) : [...configs(model, env)].reverse();
         for (const c of order) {
           const s = spec(c.engine, model, c.threads);
           const r = env === "node" ? await nodeRun(s) : await chromiumRun(s);
@@ -309,6 +324,7 @@ function size(path) {
   return { raw: bytes.length, gzip: gzipSync(bytes, { level: 9 }).length };
 }
 const sizes = [{ engine: "onnx-generate", file: "pkg/onnx_generate_bg.wasm", ...size(pkgWasm) }];
+if (hasThreadsPkg) sizes.push({ engine: "onnx-generate", file: "pkg-threads/onnx_generate_bg.wasm", ...size(threadsWasm) });
 sizes.push({ engine: "onnx-generate", file: "pkg/onnx_generate.js + snippets", ...sumSizes(pkgJsFiles()) });
 const tjsFiles = fetched.size
   ? [...fetched.keys()].sort()

@@ -1,14 +1,18 @@
 // The benchmark's browser side (served by bench.mjs with COOP/COEP headers, so wasm threads
-// work): onnx-generate from /pkg/, transformers.js' browser bundle from /tjs/ with
-// onnxruntime-web's wasm files from /ort/, models from /models/<name>/.
+// work): onnx-generate from /pkg/ (1 thread) or /pkg-threads/ (the threads build, more),
+// transformers.js' browser bundle from /tjs/ with onnxruntime-web's wasm files from /ort/,
+// models from /models/<name>/.
 import { runOnnxGenerate, runOnnxGenerateBatches, runTransformersJs } from "./engines.mjs";
 import { measureBandwidth } from "./bandwidth.mjs";
 
 async function onnxGenerate(spec) {
-  const pkg = await import("/pkg/onnx_generate.js");
+  const dir = spec.threads > 1 ? "/pkg-threads" : "/pkg";
+  const pkg = await import(`${dir}/onnx_generate.js`);
   let memory;
   const load = async () => {
-    ({ memory } = await pkg.default({ module_or_path: "/pkg/onnx_generate_bg.wasm" }));
+    ({ memory } = await pkg.default({ module_or_path: `${dir}/onnx_generate_bg.wasm` }));
+    // The page's thread computes its share of each matmul: n threads = n - 1 workers.
+    if (spec.threads > 1) await pkg.initThreadPool(spec.threads - 1);
     return pkg.Model.fromUrl(`/models/${spec.model.name}/`, { variant: spec.model.ogVariant });
   };
   const result = spec.batch

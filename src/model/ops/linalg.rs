@@ -85,18 +85,16 @@ pub fn dot_f16(x: &[f32], w: &[u16]) -> f32 {
     sum
 }
 
-/// `out[n] += sum_k x[k] * w[k, n]` over the rows of `w` (`[x.len(), out.len()]`, f16),
-/// four rows per pass over `out`.
-pub fn axpy_rows_f16(x: &[f32], w: &[u16], out: &mut [f32]) {
+/// `out[j] += sum_k x[k] * w[k * stride + j]` (f16 weights): `out.len()` columns of the
+/// `x.len()` rows of a matrix whose rows are `stride` apart; four rows per pass over `out`.
+pub fn axpy_rows_f16(x: &[f32], w: &[u16], stride: usize, out: &mut [f32]) {
     let n = out.len();
     let rows = x.len();
+    let row = |k: usize| &w[k * stride..k * stride + n];
     let mut k = 0;
     while k + 4 <= rows {
         let (a0, a1, a2, a3) = (x[k], x[k + 1], x[k + 2], x[k + 3]);
-        let w0 = &w[k * n..(k + 1) * n];
-        let w1 = &w[(k + 1) * n..(k + 2) * n];
-        let w2 = &w[(k + 2) * n..(k + 3) * n];
-        let w3 = &w[(k + 3) * n..(k + 4) * n];
+        let (w0, w1, w2, w3) = (row(k), row(k + 1), row(k + 2), row(k + 3));
         for j in 0..n {
             out[j] += a0 * f16_to_f32(w0[j])
                 + a1 * f16_to_f32(w1[j])
@@ -107,25 +105,23 @@ pub fn axpy_rows_f16(x: &[f32], w: &[u16], out: &mut [f32]) {
     }
     while k < rows {
         let a = x[k];
-        for (o, &h) in out.iter_mut().zip(&w[k * n..(k + 1) * n]) {
+        for (o, &h) in out.iter_mut().zip(row(k)) {
             *o += a * f16_to_f32(h);
         }
         k += 1;
     }
 }
 
-/// `out[n] += sum_k x[k] * w[k, n]` over the rows of `w` (`[x.len(), out.len()]`, f32),
-/// four rows per pass over `out`.
-pub fn axpy_rows(x: &[f32], w: &[f32], out: &mut [f32]) {
+/// `out[j] += sum_k x[k] * w[k * stride + j]` (f32 weights): `out.len()` columns of the
+/// `x.len()` rows of a matrix whose rows are `stride` apart; four rows per pass over `out`.
+pub fn axpy_rows(x: &[f32], w: &[f32], stride: usize, out: &mut [f32]) {
     let n = out.len();
     let rows = x.len();
+    let row = |k: usize| &w[k * stride..k * stride + n];
     let mut k = 0;
     while k + 4 <= rows {
         let (a0, a1, a2, a3) = (x[k], x[k + 1], x[k + 2], x[k + 3]);
-        let w0 = &w[k * n..(k + 1) * n];
-        let w1 = &w[(k + 1) * n..(k + 2) * n];
-        let w2 = &w[(k + 2) * n..(k + 3) * n];
-        let w3 = &w[(k + 3) * n..(k + 4) * n];
+        let (w0, w1, w2, w3) = (row(k), row(k + 1), row(k + 2), row(k + 3));
         for j in 0..n {
             out[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
         }
@@ -133,7 +129,7 @@ pub fn axpy_rows(x: &[f32], w: &[f32], out: &mut [f32]) {
     }
     while k < rows {
         let a = x[k];
-        for (o, &v) in out.iter_mut().zip(&w[k * n..(k + 1) * n]) {
+        for (o, &v) in out.iter_mut().zip(row(k)) {
             *o += a * v;
         }
         k += 1;
