@@ -4,6 +4,7 @@
 //
 //   npm run bench -- [--quick] [--models fp32,q4] [--env node,chromium] [--threads 1,2]
 //                    [--reps N] [--tokens N] [--budget SECONDS] [--out FILE]
+//                    [--parallel-threshold MACS]   (the threads build's setParallelThreshold)
 //   npm run bench -- --batch 1,4,8 [--models fp32] [--env ...] [--tokens 16]   (onnx-generate only)
 import { execFileSync, spawn } from "node:child_process";
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
@@ -28,7 +29,7 @@ const opt = (name, fallback) => {
   return i >= 0 && argv[i + 1] !== undefined ? argv[i + 1] : fallback;
 };
 const list = (s) => String(s).split(",").map((x) => x.trim()).filter(Boolean);
-const known = new Set(["quick", "models", "env", "threads", "reps", "tokens", "budget", "out", "batch", "help"]);
+const known = new Set(["quick", "models", "env", "threads", "reps", "tokens", "budget", "out", "batch", "parallel-threshold", "help"]);
 for (const a of argv) {
   if (a.startsWith("--") && !known.has(a.slice(2))) {
     console.error(`bench: unknown option ${a} (known: ${[...known].map((k) => "--" + k).join(" ")})`);
@@ -36,7 +37,7 @@ for (const a of argv) {
   }
 }
 if (flag("help")) {
-  console.log(readFileSync(fileURLToPath(import.meta.url), "utf8").split("\n").slice(0, 7).join("\n"));
+  console.log(readFileSync(fileURLToPath(import.meta.url), "utf8").split("\n").slice(0, 8).join("\n"));
   process.exit(0);
 }
 const quick = flag("quick");
@@ -49,12 +50,17 @@ const options = {
   budgetMs: Number(opt("budget", quick ? 30 : 240)) * 1000,
   out: opt("out", null),
   batch: flag("batch") ? list(opt("batch", "1,4,8")).map(Number) : [],
+  // The threads build's setParallelThreshold (multiply-accumulates), when given.
+  parallelThreshold: opt("parallel-threshold", null) === null ? null : Number(opt("parallel-threshold")),
 };
 for (const e of options.envs) {
   if (!["node", "chromium"].includes(e)) throw new Error(`--env: "${e}" is not node or chromium`);
 }
 for (const t of options.threads) {
   if (!(t >= 1 && Number.isInteger(t))) throw new Error(`--threads: "${t}" is not a thread count`);
+}
+if (options.parallelThreshold !== null && !(Number.isInteger(options.parallelThreshold) && options.parallelThreshold >= 0)) {
+  throw new Error("--parallel-threshold: a count of multiply-accumulates (a whole number from 0)");
 }
 if (!(options.tokens >= 2)) throw new Error("--tokens must be at least 2 (decode is timed over tokens 2..N)");
 
@@ -123,6 +129,7 @@ const spec = (engine, model, threads) => ({
   chatTemplate: model.chatTemplate,
   newTokens: options.tokens,
   budgetMs: options.budgetMs,
+  parallelThreshold: options.parallelThreshold,
 });
 
 /** onnx-generate's thread counts in `env`: 1 (pkg/), and in Chromium each larger count of
@@ -324,7 +331,7 @@ function size(path) {
   return { raw: bytes.length, gzip: gzipSync(bytes, { level: 9 }).length };
 }
 const sizes = [{ engine: "onnx-generate", file: "pkg/onnx_generate_bg.wasm", ...size(pkgWasm) }];
-if (hasThreadsPkg) sizes.push({ engine: "onnx-generate", file: "pkg-threads/onnx_generate_bg.wasm", ...size(threadsWasm) });
+if (hasThreadsPkg) sizes.push({ engine: "onnx-generate", file: "pkg-threads/onnx_generate_bg.wasm", alternative: true, ...size(threadsWasm) });
 sizes.push({ engine: "onnx-generate", file: "pkg/onnx_generate.js + snippets", ...sumSizes(pkgJsFiles()) });
 const tjsFiles = fetched.size
   ? [...fetched.keys()].sort()

@@ -12,7 +12,10 @@ async function onnxGenerate(spec) {
   const load = async () => {
     ({ memory } = await pkg.default({ module_or_path: `${dir}/onnx_generate_bg.wasm` }));
     // The page's thread computes its share of each matmul: n threads = n - 1 workers.
-    if (spec.threads > 1) await pkg.initThreadPool(spec.threads - 1);
+    if (spec.threads > 1) {
+      await pkg.initThreadPool(spec.threads - 1);
+      if (spec.parallelThreshold !== null) pkg.setParallelThreshold(spec.parallelThreshold);
+    }
     return pkg.Model.fromUrl(`/models/${spec.model.name}/`, { variant: spec.model.ogVariant });
   };
   const result = spec.batch

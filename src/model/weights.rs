@@ -26,10 +26,10 @@ const FLOAT16: i32 = pb::tensor_proto::DataType::Float16 as i32;
 pub const MATMUL_WEIGHTS: &str = "MatMulWeights";
 
 /// Whether every f32 `MatMul` with an initializer `B` goes to `MatMulWeights` too (one copy
-/// of the weights, but tract's packed kernels are faster on prompts on one thread). Under the
-/// `threads` feature they do: `MatMulWeights` splits its columns across the threads
-/// (`ops/parallel.rs`), tract's matmuls would run on one.
-const ALL_F32_MATMULS: bool = cfg!(feature = "threads");
+/// of the weights, but tract's packed kernels are faster, on prompts and in wasm on decode:
+/// SmolLM2 fp32 decoded at 0.6x tract's speed with them on one thread, and split over two
+/// threads (`threads` feature) still slower than tract on one, on a loaded 2-core machine).
+const ALL_F32_MATMULS: bool = false;
 
 /// Whether the graph computes in float16 (its inputs, outputs or initializers are float16).
 pub fn is_f16_graph(graph: &pb::GraphProto) -> bool {

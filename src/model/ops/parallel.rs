@@ -8,8 +8,9 @@
 //! (`rayon::in_place_scope`): in a browser the page's thread may not sleep, so while it waits
 //! for the pool it spins (rayon's `web_spin_lock`); working instead, `initThreadPool(1)` already
 //! gives two threads of work on two cores. (For the same reason tract's own rayon executor,
-//! which hands the whole product to the pool and spins meanwhile, is not used: under the
-//! feature every f32 weight MatMul goes to these kernels, `model::weights`.)
+//! which hands the whole product to the pool and spins meanwhile, is not used: tract's matmuls,
+//! the f32 weight MatMuls of fp32 graphs, stay on one thread; see `ALL_F32_MATMULS` in
+//! `model::weights` for the measured alternative.)
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
