@@ -2,7 +2,8 @@
 // cross-origin isolated page loads it, starts two workers with initThreadPool(2), makes every
 // matmul split across the threads (setParallelThreshold(0): the tiny fixture's products are
 // below the default threshold), and generates transformers' golden greedy ids of the tiny
-// llama fixture, for a prompt (several rows) and then token by token (one row).
+// llama fixture, for a prompt (several rows) and then token by token (one row). Then, in a new
+// page, the same without initThreadPool (rayon's pool is then the page's thread alone).
 //   node js-tests/threads.mjs
 import assert from "node:assert/strict";
 import { existsSync } from "node:fs";
@@ -44,11 +45,11 @@ try {
   );
   await page.goto(`${origin}/`);
   const t0 = Date.now();
-  const got = await page.evaluate(
-    async ({ prompt, max_new_tokens }) => {
+  const run = async (workers) => page.evaluate(
+    async ({ prompt, max_new_tokens, workers }) => {
       const pkg = await import("/pkg-threads/onnx_generate.js");
       await pkg.default({ module_or_path: "/pkg-threads/onnx_generate_bg.wasm" });
-      await pkg.initThreadPool(2);
+      if (workers) await pkg.initThreadPool(workers);
       pkg.setParallelThreshold(0);
       let badThreshold = null;
       try {
@@ -62,14 +63,21 @@ try {
       for await (const e of model.stream(prompt, { max_new_tokens })) streamed.push(e.token_id);
       return { isolated: self.crossOriginIsolated, ids: r.token_ids, streamed, badThreshold };
     },
-    { prompt: HELLO, max_new_tokens: GOLDEN.length },
+    { prompt: HELLO, max_new_tokens: GOLDEN.length, workers },
   );
+  const got = await run(2);
   assert.equal(got.isolated, true, "the page is not cross-origin isolated");
   assert.deepEqual(got.ids, GOLDEN);
   assert.deepEqual(got.streamed, GOLDEN);
   assert.match(got.badThreshold ?? "", /setParallelThreshold: -1/);
-  assert.deepEqual(errors, []);
   console.log(`threads: initThreadPool(2), every matmul split: golden ids in Chromium (${Date.now() - t0} ms)`);
+  // A fresh page (a fresh module and pool), without initThreadPool.
+  await page.reload();
+  const alone = await run(0);
+  assert.deepEqual(alone.ids, GOLDEN);
+  assert.deepEqual(alone.streamed, GOLDEN);
+  assert.deepEqual(errors, []);
+  console.log("threads: without initThreadPool: golden ids");
 } finally {
   await browser.close();
   server.closeAllConnections();

@@ -397,7 +397,14 @@ impl Params<'_> {
     /// One row (decoding): each column's packed blocks are read once and dequantized in
     /// registers (`column_dot`). Several rows (a prompt): `COLS` columns at a time are
     /// dequantized into a small buffer, then multiplied with every row.
-    fn columns(&self, cols: std::ops::Range<usize>, b: &[u8], ap: &[f32], rows: usize, block: &mut [f32]) {
+    fn columns(
+        &self,
+        cols: std::ops::Range<usize>,
+        b: &[u8],
+        ap: &[f32],
+        rows: usize,
+        block: &mut [f32],
+    ) {
         let padded = self.blocks * self.bs;
         let width = cols.len();
         if rows == 1 {
@@ -672,7 +679,9 @@ mod tests {
                 inputs: 3,
                 label: "test".into(),
             };
-            let b: Vec<u8> = (0..n * op.blocks() * op.blob()).map(|_| next() as u8).collect();
+            let b: Vec<u8> = (0..n * op.blocks() * op.blob())
+                .map(|_| next() as u8)
+                .collect();
             let scales: Vec<f32> = (0..n * op.blocks())
                 .map(|_| (next() % 1000) as f32 / 4000.0)
                 .collect();
@@ -693,7 +702,10 @@ mod tests {
                 for parts in [2, 3, 5] {
                     let mut split = vec![0f32; rows * n];
                     matmul_in_parts(&op, &a, rows, &b, &scales, &zp, &mut split, parts).unwrap();
-                    let same = one.iter().zip(&split).all(|(x, y)| x.to_bits() == y.to_bits());
+                    let same = one
+                        .iter()
+                        .zip(&split)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
                     assert!(same, "bits={bits} bs={bs} rows={rows} parts={parts}");
                 }
             }

@@ -321,7 +321,10 @@ mod tests {
         };
         let (k, n) = (70, 4103);
         let w32: Vec<f32> = (0..k * n).map(|_| next()).collect();
-        let w16: Vec<u16> = w32.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect();
+        let w16: Vec<u16> = w32
+            .iter()
+            .map(|v| half::f16::from_f32(*v).to_bits())
+            .collect();
         for w in [W::F32(&w32), W::F16(&w16)] {
             for transposed in [false, true] {
                 for rows in [1, 6] {
@@ -332,9 +335,15 @@ mod tests {
                     for parts in [2, 3, 5] {
                         let mut split = vec![0f32; rows * n];
                         matmul(&x, rows, w, k, n, transposed, parts, &mut split);
-                        let same = one.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits());
+                        let same = one
+                            .iter()
+                            .zip(&split)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
                         let f16 = matches!(w, W::F16(_));
-                        assert!(same, "f16={f16} transposed={transposed} rows={rows} parts={parts}");
+                        assert!(
+                            same,
+                            "f16={f16} transposed={transposed} rows={rows} parts={parts}"
+                        );
                     }
                 }
             }

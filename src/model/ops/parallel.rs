@@ -27,12 +27,18 @@ pub fn set_threshold(macs: usize) {
     THRESHOLD.store(macs, Ordering::Relaxed);
 }
 
-/// Threads that compute a product: the pool's workers and the calling thread (1 without the
-/// `threads` feature).
+/// Threads that compute a product: the pool's workers and the calling thread, unless it is one
+/// of them (1 without the `threads` feature). In wasm without `initThreadPool`, rayon's global
+/// pool is the calling thread alone: 1.
 pub fn threads() -> usize {
     #[cfg(feature = "threads")]
     {
-        rayon::current_num_threads() + 1
+        let pool = rayon::current_num_threads();
+        if rayon::current_thread_index().is_some() {
+            pool
+        } else {
+            pool + 1
+        }
     }
     #[cfg(not(feature = "threads"))]
     {
@@ -45,7 +51,10 @@ pub fn ranges(n: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
     let units = n.div_ceil(align);
     let parts = parts.clamp(1, units.max(1));
     let per = units.div_ceil(parts) * align;
-    (0..n).step_by(per.max(1)).map(|s| s..(s + per).min(n)).collect()
+    (0..n)
+        .step_by(per.max(1))
+        .map(|s| s..(s + per).min(n))
+        .collect()
 }
 
 /// Fills `out` (`[rows, n]`, zeroed) with `kernel(cols, block)`, where `block` is `[rows,
