@@ -5,7 +5,8 @@
 //! sums are f32.
 //!
 //! One row of `A` (decoding) streams the weight once. Several rows (a prompt) take a panel of
-//! the weight at a time (converted to f32 for f16) and multiply it with every row.
+//! the weight at a time (converted to f32 for f16) and multiply it with every row. Under the
+//! `threads` feature the output columns are split across the threads (`parallel.rs`).
 
 use std::ops::Range;
 
