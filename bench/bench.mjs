@@ -5,6 +5,7 @@
 //
 //   npm run bench -- [--quick] [--models fp32,q4,whisper] [--env node,chromium] [--threads 1,2]
 //                    [--reps N] [--tokens N] [--budget SECONDS] [--out FILE]
+//                    [--parallel-threshold MACS]   (the threads build's setParallelThreshold)
 //   npm run bench -- --batch 1,4,8 [--models fp32] [--env ...] [--tokens 16]   (onnx-generate only)
 import { execFileSync, spawn } from "node:child_process";
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
@@ -29,7 +30,7 @@ const opt = (name, fallback) => {
   return i >= 0 && argv[i + 1] !== undefined ? argv[i + 1] : fallback;
 };
 const list = (s) => String(s).split(",").map((x) => x.trim()).filter(Boolean);
-const known = new Set(["quick", "models", "env", "threads", "reps", "tokens", "budget", "out", "batch", "help"]);
+const known = new Set(["quick", "models", "env", "threads", "reps", "tokens", "budget", "out", "batch", "parallel-threshold", "help"]);
 for (const a of argv) {
   if (a.startsWith("--") && !known.has(a.slice(2))) {
     console.error(`bench: unknown option ${a} (known: ${[...known].map((k) => "--" + k).join(" ")})`);
@@ -53,6 +54,8 @@ const options = {
   budgetMs: Number(opt("budget", quick ? 30 : 240)) * 1000,
   out: opt("out", null),
   batch: flag("batch") ? list(opt("batch", "1,4,8")).map(Number) : [],
+  // The threads build's setParallelThreshold (multiply-accumulates), when given.
+  parallelThreshold: opt("parallel-threshold", null) === null ? null : Number(opt("parallel-threshold")),
 };
 for (const e of options.envs) {
   if (!["node", "chromium"].includes(e)) throw new Error(`--env: "${e}" is not node or chromium`);
@@ -60,10 +63,20 @@ for (const e of options.envs) {
 for (const t of options.threads) {
   if (!(t >= 1 && Number.isInteger(t))) throw new Error(`--threads: "${t}" is not a thread count`);
 }
+if (options.parallelThreshold !== null && !(Number.isInteger(options.parallelThreshold) && options.parallelThreshold >= 0)) {
+  throw new Error("--parallel-threshold: a count of multiply-accumulates (a whole number from 0)");
+}
 if (!(options.tokens >= 2)) throw new Error("--tokens must be at least 2 (decode is timed over tokens 2..N)");
 
 const pkgWasm = join(repo, "pkg/onnx_generate_bg.wasm");
 if (!existsSync(pkgWasm)) throw new Error(`${pkgWasm} not found: build it with scripts/build-wasm.sh`);
+// onnx-generate on more than one thread: the threads build (pkg-threads/), in Chromium only
+// (wasm-bindgen-rayon's workers are Web Workers, which Node lacks).
+const threadsWasm = join(repo, "pkg-threads/onnx_generate_bg.wasm");
+const hasThreadsPkg = existsSync(threadsWasm);
+if (options.threads.some((t) => t > 1) && options.envs.includes("chromium") && !hasThreadsPkg) {
+  console.log("bench: pkg-threads/ not found (scripts/build-wasm.sh --threads): onnx-generate runs on 1 thread only");
+}
 const tjsDir = join(here, "node_modules/@huggingface/transformers");
 if (!existsSync(tjsDir)) throw new Error("transformers.js is not installed: run `npm install` in bench/ (see bench/README.md)");
 
@@ -124,11 +137,19 @@ const spec = (engine, model, threads) => ({
   newTokens: options.tokens,
   budgetMs: options.budgetMs,
   speech: model.speech && { language: model.speech.language, encoder: model.speech.encoder },
+  parallelThreshold: options.parallelThreshold,
 });
 
-/** The configurations of a model: onnx-generate on 1 thread, transformers.js on each count. */
-function configs(model) {
-  const out = [{ engine: "onnx-generate", threads: 1 }];
+/** onnx-generate's thread counts in `env`: 1 (pkg/), and in Chromium each larger count of
+ * --threads when the threads build is there. */
+function ogThreads(env) {
+  const more = env === "chromium" && hasThreadsPkg ? options.threads.filter((t) => t > 1) : [];
+  return [1, ...more];
+}
+
+/** The configurations of a model in `env`: onnx-generate and transformers.js on each count. */
+function configs(model, env) {
+  const out = ogThreads(env).map((t) => ({ engine: "onnx-generate", threads: t }));
   if (model.tjsDtype) for (const t of options.threads) out.push({ engine: "transformers.js", threads: t });
   return out;
 }
@@ -171,6 +192,7 @@ async function startServer() {
     port: 0,
     mounts: {
       "/pkg/": join(repo, "pkg"),
+      "/pkg-threads/": join(repo, "pkg-threads"),
       "/bench/": join(here, "lib"),
       "/tjs/": join(tjsDir, "dist"),
       "/ort/": join(here, "node_modules/onnxruntime-web/dist"),
@@ -282,7 +304,7 @@ try {
       }
       for (let rep = 0; rep < options.reps; rep++) {
         // A B A B: the order flips each repetition, so drift over time does not favour one.
-        const order = rep % 2 === 0 ? configs(model) : [...configs(model)].reverse();
+        const order = rep % 2 === 0 ? configs(model, env) : [...configs(model, env)].reverse();
         for (const c of order) {
           const s = spec(c.engine, model, c.threads);
           const r = env === "node" ? await nodeRun(s) : await chromiumRun(s);
@@ -322,6 +344,7 @@ function size(path) {
   return { raw: bytes.length, gzip: gzipSync(bytes, { level: 9 }).length };
 }
 const sizes = [{ engine: "onnx-generate", file: "pkg/onnx_generate_bg.wasm", ...size(pkgWasm) }];
+if (hasThreadsPkg) sizes.push({ engine: "onnx-generate", file: "pkg-threads/onnx_generate_bg.wasm", alternative: true, ...size(threadsWasm) });
 sizes.push({ engine: "onnx-generate", file: "pkg/onnx_generate.js + snippets", ...sumSizes(pkgJsFiles()) });
 const tjsFiles = fetched.size
   ? [...fetched.keys()].sort()

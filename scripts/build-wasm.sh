@@ -3,19 +3,60 @@
 # also runs in Node (see the README's Node example). Prints the wasm size, raw and gzipped.
 # Uses wasm-pack (scripts/setup-wasm.sh installs it); WASM_PACK=0 runs the same steps with
 # cargo and wasm-bindgen directly.
+#
+# --threads builds the threads package in pkg-threads/ instead: the `threads` feature (rayon)
+# with wasm-bindgen-rayon's initThreadPool, on the nightly toolchain with std rebuilt for
+# shared memory (-Z build-std, +atomics,+bulk-memory,+mutable-globals), in its own target
+# folder (target/wasm-threads, cold the first time). It needs a cross-origin isolated page
+# (COOP/COEP) and Web Workers, so it runs in browsers, not in Node.
 set -eu
 cd "$(dirname "$0")/.."
-export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128"
-if [ "${WASM_PACK:-1}" != 0 ] && command -v wasm-pack >/dev/null 2>&1; then
-  wasm-pack build --release --target web --out-dir pkg --out-name onnx_generate
+threads=0
+for arg in "$@"; do
+  case "$arg" in
+  --threads) threads=1 ;;
+  *)
+    echo "build-wasm: unknown option $arg (--threads builds pkg-threads/)" >&2
+    exit 2
+    ;;
+  esac
+done
+
+if [ "$threads" = 1 ]; then
+  out=pkg-threads
+  target_dir=${THREADS_TARGET_DIR:-target/wasm-threads}
+  # Every crate, std included, with atomics. Shared memory needs a declared maximum: 4 GiB, the
+  # most wasm32 can address (the linker's default of 1 GiB is less than a 540 MB model needs
+  # while it loads).
+  export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+atomics,+bulk-memory,+mutable-globals,+simd128 -C link-arg=--max-memory=4294967296"
+  # The final link: a shared, imported memory and the thread-local storage symbols that
+  # wasm-bindgen's thread support calls (rustc stopped adding these for +atomics in late 2025).
+  # Given to this crate only (cargo rustc), so changing them rebuilds no dependency.
+  link=""
+  for arg in --shared-memory --import-memory --export=__wasm_init_tls --export=__tls_size \
+    --export=__tls_align --export=__tls_base; do
+    link="$link -C link-arg=$arg"
+  done
+  # shellcheck disable=SC2086
+  cargo +nightly rustc --release --target wasm32-unknown-unknown --lib --features threads \
+    --target-dir "$target_dir" -Z build-std=panic_abort,std -- $link
+  rm -rf "$out"
+  wasm-bindgen --target web --out-dir "$out" --out-name onnx_generate \
+    "$target_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
 else
-  cargo build --release --target wasm32-unknown-unknown --lib
-  rm -rf pkg
-  wasm-bindgen --target web --out-dir pkg --out-name onnx_generate \
-    "${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/release/onnx_generate.wasm"
+  out=pkg
+  export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128"
+  if [ "${WASM_PACK:-1}" != 0 ] && command -v wasm-pack >/dev/null 2>&1; then
+    wasm-pack build --release --target web --out-dir pkg --out-name onnx_generate
+  else
+    cargo build --release --target wasm32-unknown-unknown --lib
+    rm -rf pkg
+    wasm-bindgen --target web --out-dir pkg --out-name onnx_generate \
+      "${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/release/onnx_generate.wasm"
+  fi
 fi
-node scripts/finish-pkg.mjs
-wasm=pkg/onnx_generate_bg.wasm
+node scripts/finish-pkg.mjs "$out"
+wasm=$out/onnx_generate_bg.wasm
 raw=$(wc -c < "$wasm")
 gz=$(gzip -9 -c "$wasm" | wc -c)
 echo "build-wasm: $wasm is $raw bytes, $gz bytes gzipped (-9)"

@@ -1,6 +1,7 @@
 #!/bin/sh
 # Install what the wasm build and tests need; idempotent and quick when everything is there.
-#   rustup target wasm32-unknown-unknown, wasm-bindgen-cli (the version of Cargo.lock),
+#   rustup target wasm32-unknown-unknown, the nightly toolchain with rust-src (the threads
+#   build rebuilds std: scripts/build-wasm.sh --threads), wasm-bindgen-cli (the version of Cargo.lock),
 #   wasm-pack, Debian's chromium + chromium-driver, npm dev dependencies (typescript,
 #   playwright-core, and deno and wrangler (with workerd) for the edge examples), the
 #   benchmark's npm dependencies (bench/).
@@ -9,6 +10,14 @@ cd "$(dirname "$0")/.."
 
 if ! rustup target list --installed | grep -qx wasm32-unknown-unknown; then
   rustup target add wasm32-unknown-unknown
+fi
+
+# The threads build: nightly with rust-src (-Z build-std needs std's sources).
+if ! rustup run nightly rustc --version >/dev/null 2>&1; then
+  echo "setup-wasm: installing the nightly toolchain with rust-src"
+  rustup toolchain install nightly --profile minimal --component rust-src
+elif ! rustup component list --toolchain nightly --installed | grep -q '^rust-src'; then
+  rustup component add rust-src --toolchain nightly
 fi
 
 # wasm-bindgen's CLI must match the wasm-bindgen crate of Cargo.lock exactly.

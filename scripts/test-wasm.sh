@@ -11,12 +11,14 @@
 #   4. tsc --noEmit over a typed example (js-tests/typed-example.ts);
 #   5. npm pack, install of the tarball into an empty folder, and the README's Node example;
 #   6. the demo page end to end in Chromium (js-tests/e2e.mjs), with a screenshot in
-#      target/e2e/demo.png;
+#      target/e2e/demo.png; then the threads package (pkg-threads/, scripts/build-wasm.sh
+#      --threads: nightly with build-std, cold the first time) in Chromium: initThreadPool(2) and
+#      the golden ids with every matmul split across the threads (js-tests/threads.mjs);
 #   7. the edge examples (js-tests/edge.test.mjs): the Cloudflare Worker under `wrangler dev` and
 #      the Deno server on 127.0.0.1, over HTTP (golden tokens, streaming, abort, bad requests),
 #      failing unless every test ran; then a short load test of both (scripts/load-test-edge.mjs).
 #   8. the benchmark harness (bench/) on the tiny fixture, a smoke run of both engines.
-# SKIP_BUILD=1 reuses an existing pkg/.
+# SKIP_BUILD=1 reuses an existing pkg/ and pkg-threads/.
 set -eu
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -88,6 +90,11 @@ fi
 echo "test-wasm: npm pack + install + README example passed"
 
 node js-tests/e2e.mjs target/e2e/demo.png
+
+if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f pkg-threads/onnx_generate_bg.wasm ]; then
+  sh scripts/build-wasm.sh --threads
+fi
+node js-tests/threads.mjs
 
 export WRANGLER_SEND_METRICS=false
 edge_log="$logs/edge.log"

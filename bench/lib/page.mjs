@@ -1,7 +1,8 @@
 // The benchmark's browser side (served by bench.mjs with COOP/COEP headers, so wasm threads
-// work): onnx-generate from /pkg/, transformers.js' browser bundle from /tjs/ with
-// onnxruntime-web's wasm files from /ort/, models from /models/<name>/ (a speech model's clip
-// as /models/<name>/audio.wav, decoded by the tests' WAV reader from /js-tests/).
+// work): onnx-generate from /pkg/ (1 thread) or /pkg-threads/ (the threads build, more),
+// transformers.js' browser bundle from /tjs/ with onnxruntime-web's wasm files from /ort/,
+// models from /models/<name>/ (a speech model's clip as /models/<name>/audio.wav, decoded by
+// the tests' WAV reader from /js-tests/).
 import {
   runOnnxGenerate,
   runOnnxGenerateBatches,
@@ -20,10 +21,16 @@ async function audio(spec) {
 }
 
 async function onnxGenerate(spec) {
-  const pkg = await import("/pkg/onnx_generate.js");
+  const dir = spec.threads > 1 ? "/pkg-threads" : "/pkg";
+  const pkg = await import(`${dir}/onnx_generate.js`);
   let memory;
   const load = async () => {
-    ({ memory } = await pkg.default({ module_or_path: "/pkg/onnx_generate_bg.wasm" }));
+    ({ memory } = await pkg.default({ module_or_path: `${dir}/onnx_generate_bg.wasm` }));
+    // The page's thread computes its share of each matmul: n threads = n - 1 workers.
+    if (spec.threads > 1) {
+      await pkg.initThreadPool(spec.threads - 1);
+      if (spec.parallelThreshold !== null) pkg.setParallelThreshold(spec.parallelThreshold);
+    }
     return pkg.Model.fromUrl(`/models/${spec.model.name}/`, { variant: spec.model.ogVariant });
   };
   const clip = spec.speech ? await audio(spec) : null;

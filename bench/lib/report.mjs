@@ -81,8 +81,10 @@ export function report({ machine, options, models: all, runs, bandwidth, sizes }
       }), ` +
         `greedy, exactly ${options.tokens} new tokens (end-of-sequence disabled with min_new_tokens); ` +
         `${options.reps} repetition(s) per configuration, run A B A B, medians shown. ` +
-        `onnx-generate is single-threaded (no threads build yet): it always runs on 1 thread, and its ratios ` +
-        `compare it with transformers.js on the thread count of each ratio row. ` +
+        `onnx-generate runs on 1 thread from pkg/ and, in Chromium, on more from the threads build (pkg-threads/: ` +
+        `initThreadPool(n - 1) workers and the page's thread); in Node (no Web Workers) it runs on 1 thread only, and ` +
+        `a ratio row "1 / 2" compares its 1-thread run with transformers.js on 2` +
+        (options.parallelThreshold === null ? ". " : ` (threads build with setParallelThreshold(${options.parallelThreshold})). `) +
         `The machine is shared: absolute figures drift, the ratios of the same run are what matter.`,
     );
     out();
@@ -125,35 +127,43 @@ export function report({ machine, options, models: all, runs, bandwidth, sizes }
             `${fmt(a.peak_mb, 0)} | ${fmt((a.peak_mb * MB) / modelBytes(a), 2)} | ${fmt(a.cpu_per_wall, 2)} | ${tokens} |`
           );
         };
-        const og = group("onnx-generate", 1);
-        out(row("onnx-generate", 1, og));
-        if (!og.error) texts.push({ env, model: model.name, engine: "onnx-generate", threads: 1, ...og });
-        if (!model.tjsDtype) continue;
-        for (const t of options.threads) {
-          const tj = group("transformers.js", t);
-          out(row("transformers.js", t, tj));
-          if (tj.error) continue;
-          texts.push({ env, model: model.name, engine: "transformers.js", threads: t, ...tj });
-          if (og.error) continue;
-          // A run stopped by the time budget made fewer tokens: compare the tokens both made.
-          const n = Math.min(og.token_ids.length, tj.token_ids.length);
-          const diff = firstDifference(og.token_ids.slice(0, n), tj.token_ids.slice(0, n));
-          const promptDiff = firstDifference(og.prompt_ids, tj.prompt_ids);
-          let same = diff >= 0 ? `tokens differ from #${diff + 1}` : n < options.tokens ? `same ${n} first tokens` : "same tokens";
-          if (promptDiff >= 0) same += `; PROMPT IDS DIFFER at ${promptDiff}`;
-          if ((diff >= 0 && MUST_AGREE.has(model.name)) || promptDiff >= 0) {
-            same = `**MISMATCH**: ${same}`;
-            problems.push(`${env} ${model.name}: onnx-generate and transformers.js ${t}t disagree (${same})`);
-          }
-          const bo = bound(og, 1);
-          const bt = bound(tj, t);
-          out(
-            `| ${env} | ${model.name} | **ratio** | 1 / ${t} | ${ratio(og.load_ms, tj.load_ms)} | ${ratio(og.ttft_ms, tj.ttft_ms)} | ` +
-              `${ratio(og.prefill_tps, tj.prefill_tps)} | **${ratio(og.decode_tps, tj.decode_tps)}** | ${ratio(bo, bt)} | ` +
-              `${ratio(og.peak_mb, tj.peak_mb)} | | | ${same} |`,
-          );
+        // onnx-generate's thread counts in this env (runs say which ran).
+        const ogCounts = [...new Set(runs.filter((r) => r.env === env && r.model === model.name && r.engine === "onnx-generate").map((r) => r.threads))].sort((a, b) => a - b);
+        const ogBy = new Map(ogCounts.map((t) => [t, group("onnx-generate", t)]));
+        for (const [t, a] of ogBy) {
+          out(row("onnx-generate", t, a));
+          if (!a.error) texts.push({ env, model: model.name, engine: "onnx-generate", threads: t, ...a });
         }
-        for (const a of [og]) if (a.unstable) problems.push(`${env} ${model.name}: repetitions gave different tokens`);
+        if (model.tjsDtype) {
+          for (const t of options.threads) {
+            // onnx-generate on the same thread count when it ran on it, else on 1.
+            const ogT = ogBy.has(t) ? t : 1;
+            const og = ogBy.get(ogT) ?? group("onnx-generate", 1);
+            const tj = group("transformers.js", t);
+            out(row("transformers.js", t, tj));
+            if (tj.error) continue;
+            texts.push({ env, model: model.name, engine: "transformers.js", threads: t, ...tj });
+            if (og.error) continue;
+            // A run stopped by the time budget made fewer tokens: compare the tokens both made.
+            const n = Math.min(og.token_ids.length, tj.token_ids.length);
+            const diff = firstDifference(og.token_ids.slice(0, n), tj.token_ids.slice(0, n));
+            const promptDiff = firstDifference(og.prompt_ids, tj.prompt_ids);
+            let same = diff >= 0 ? `tokens differ from #${diff + 1}` : n < options.tokens ? `same ${n} first tokens` : "same tokens";
+            if (promptDiff >= 0) same += `; PROMPT IDS DIFFER at ${promptDiff}`;
+            if ((diff >= 0 && MUST_AGREE.has(model.name)) || promptDiff >= 0) {
+              same = `**MISMATCH**: ${same}`;
+              problems.push(`${env} ${model.name}: onnx-generate and transformers.js ${t}t disagree (${same})`);
+            }
+            const bo = bound(og, ogT);
+            const bt = bound(tj, t);
+            out(
+              `| ${env} | ${model.name} | **ratio** | ${ogT} / ${t} | ${ratio(og.load_ms, tj.load_ms)} | ${ratio(og.ttft_ms, tj.ttft_ms)} | ` +
+                `${ratio(og.prefill_tps, tj.prefill_tps)} | **${ratio(og.decode_tps, tj.decode_tps)}** | ${ratio(bo, bt)} | ` +
+                `${ratio(og.peak_mb, tj.peak_mb)} | | | ${same} |`,
+            );
+          }
+        }
+        for (const a of ogBy.values()) if (a.unstable) problems.push(`${env} ${model.name}: repetitions gave different tokens`);
       }
     }
     out();
@@ -206,10 +216,11 @@ export function report({ machine, options, models: all, runs, bandwidth, sizes }
   out(`| engine | file | raw MB | gzip -9 MB |`);
   out(`|---|---|---|---|`);
   for (const s of sizes) out(`| ${s.engine} | ${s.file} | ${fmt(s.raw / MB, 2)} | ${fmt(s.gzip / MB, 2)} |`);
-  const total = (e) => sizes.filter((s) => s.engine === e).reduce((a, s) => ({ raw: a.raw + s.raw, gzip: a.gzip + s.gzip }), { raw: 0, gzip: 0 });
+  // pkg-threads/ replaces pkg/ where it is used: the total counts one package.
+  const total = (e) => sizes.filter((s) => s.engine === e && !s.alternative).reduce((a, s) => ({ raw: a.raw + s.raw, gzip: a.gzip + s.gzip }), { raw: 0, gzip: 0 });
   const og = total("onnx-generate");
   const tj = total("transformers.js");
-  out(`| **onnx-generate / transformers.js** | all files | ${ratio(og.raw, tj.raw)} | ${ratio(og.gzip, tj.gzip)} |`);
+  out(`| **onnx-generate / transformers.js** | all files${sizes.some((s) => s.alternative) ? " (pkg/, not pkg-threads/)" : ""} | ${ratio(og.raw, tj.raw)} | ${ratio(og.gzip, tj.gzip)} |`);
   out();
   if (problems.length) {
     out(`## Problems`);

@@ -26,7 +26,9 @@ const FLOAT16: i32 = pb::tensor_proto::DataType::Float16 as i32;
 pub const MATMUL_WEIGHTS: &str = "MatMulWeights";
 
 /// Whether every f32 `MatMul` with an initializer `B` goes to `MatMulWeights` too (one copy
-/// of the weights, but tract's packed kernels are faster on prompts).
+/// of the weights, but tract's packed kernels are faster, on prompts and in wasm on decode:
+/// SmolLM2 fp32 decoded at 0.6x tract's speed with them on one thread in Chromium, and split
+/// over two threads (`threads` feature) still slower than tract on one; README, "Threads").
 const ALL_F32_MATMULS: bool = false;
 
 /// Whether the graph computes in float16 (its inputs, outputs or initializers are float16).

@@ -22,6 +22,25 @@ use crate::error::Error;
 use crate::generate::{Generation, Output, Sequence, TokenEvent};
 use crate::model::{Model, ModelFiles};
 
+/// The threads build (`threads` feature): `initThreadPool(n)` starts `n` workers sharing the
+/// module's memory; call it once after `init()`, before loading a model.
+#[cfg(feature = "threads")]
+pub use wasm_bindgen_rayon::init_thread_pool;
+
+/// The threads build: the multiply-accumulates from which a matmul is split across the threads
+/// (default 262144; 0 splits every one, as the tests do on the tiny fixtures).
+#[cfg(feature = "threads")]
+#[wasm_bindgen(js_name = setParallelThreshold)]
+pub fn set_parallel_threshold(macs: f64) -> Result<(), JsError> {
+    if !(macs >= 0.0 && macs.fract() == 0.0 && macs <= u32::MAX as f64) {
+        return Err(JsError::new(&format!(
+            "setParallelThreshold: {macs} is not a count of multiply-accumulates (a whole number from 0)"
+        )));
+    }
+    crate::model::ops::parallel::set_threshold(macs as usize);
+    Ok(())
+}
+
 #[wasm_bindgen(module = "/js/helpers.js")]
 extern "C" {
     #[wasm_bindgen(catch, js_name = readModelFiles)]

@@ -563,9 +563,9 @@ fn f16_kernels_match_the_f32_kernels() {
             .collect();
         let w32: Vec<f32> = w.iter().map(|&h| half::f16::from_bits(h).to_f32()).collect();
         let mut want = vec![0.25f32; n];
-        axpy_rows(&x, &w32, &mut want);
+        axpy_rows(&x, &w32, n, &mut want);
         let mut got = vec![0.25f32; n];
-        axpy_rows_f16(&x, &w, &mut got);
+        axpy_rows_f16(&x, &w, n, &mut got);
         assert_eq!(got, want, "axpy_rows_f16 k={k} n={n}");
         let mut got = vec![0f32; n];
         matvec_f16_nk(&x, &w, &mut got);

@@ -97,12 +97,12 @@ pub fn matvec_f16_nk(x: &[f32], w: &[u16], out: &mut [f32]) {
     }
 }
 
-/// `out[n] += sum_k x[k] * w[k, n]` over the rows of `w` (`[x.len(), out.len()]`, f16),
-/// four rows per pass over `out`.
-pub fn axpy_rows_f16(x: &[f32], w: &[u16], out: &mut [f32]) {
+/// `out[j] += sum_k x[k] * w[k * stride + j]` (f16 weights): `out.len()` columns of the
+/// `x.len()` rows of a matrix whose rows are `stride` apart; four rows per pass over `out`.
+pub fn axpy_rows_f16(x: &[f32], w: &[u16], stride: usize, out: &mut [f32]) {
     match scaled_input(x) {
-        Some(xs) => kernels::axpy_rows_f16_scaled(&xs, w, out),
-        None => axpy_rows_f16_with(x, w, out, f16_to_f32),
+        Some(xs) => kernels::axpy_rows_f16_scaled(&xs, w, stride, out),
+        None => axpy_rows_f16_with(x, w, stride, out, f16_to_f32),
     }
 }
 
@@ -124,19 +124,23 @@ fn dot_f16_with(x: &[f32], w: &[u16], f16: impl Fn(u16) -> f32) -> f32 {
     sum
 }
 
-/// `out[n] += sum_k x[k] * f16(w[k, n])`, four rows of `w` per pass over `out`, each output
-/// adding `((a0 w0 + a1 w1) + a2 w2) + a3 w3`.
+/// `out[j] += sum_k x[k] * f16(w[k * stride + j])`, four rows of `w` per pass over `out`,
+/// each output adding `((a0 w0 + a1 w1) + a2 w2) + a3 w3`.
 #[inline(always)]
-fn axpy_rows_f16_with(x: &[f32], w: &[u16], out: &mut [f32], f16: impl Fn(u16) -> f32) {
+fn axpy_rows_f16_with(
+    x: &[f32],
+    w: &[u16],
+    stride: usize,
+    out: &mut [f32],
+    f16: impl Fn(u16) -> f32,
+) {
     let n = out.len();
     let rows = x.len();
+    let row = |k: usize| &w[k * stride..k * stride + n];
     let mut k = 0;
     while k + 4 <= rows {
         let (a0, a1, a2, a3) = (x[k], x[k + 1], x[k + 2], x[k + 3]);
-        let w0 = &w[k * n..(k + 1) * n];
-        let w1 = &w[(k + 1) * n..(k + 2) * n];
-        let w2 = &w[(k + 2) * n..(k + 3) * n];
-        let w3 = &w[(k + 3) * n..(k + 4) * n];
+        let (w0, w1, w2, w3) = (row(k), row(k + 1), row(k + 2), row(k + 3));
         for j in 0..n {
             out[j] += a0 * f16(w0[j]) + a1 * f16(w1[j]) + a2 * f16(w2[j]) + a3 * f16(w3[j]);
         }
@@ -144,7 +148,7 @@ fn axpy_rows_f16_with(x: &[f32], w: &[u16], out: &mut [f32], f16: impl Fn(u16) -
     }
     while k < rows {
         let a = x[k];
-        for (o, &h) in out.iter_mut().zip(&w[k * n..(k + 1) * n]) {
+        for (o, &h) in out.iter_mut().zip(row(k)) {
             *o += a * f16(h);
         }
         k += 1;
@@ -160,8 +164,8 @@ mod kernels {
         dot_f16_with(x, w, f16_scaled)
     }
 
-    pub fn axpy_rows_f16_scaled(x: &[f32], w: &[u16], out: &mut [f32]) {
-        axpy_rows_f16_with(x, w, out, f16_scaled)
+    pub fn axpy_rows_f16_scaled(x: &[f32], w: &[u16], stride: usize, out: &mut [f32]) {
+        axpy_rows_f16_with(x, w, stride, out, f16_scaled)
     }
 }
 
@@ -217,10 +221,14 @@ mod kernels {
         sum
     }
 
-    pub fn axpy_rows_f16_scaled(x: &[f32], w: &[u16], out: &mut [f32]) {
+    pub fn axpy_rows_f16_scaled(x: &[f32], w: &[u16], stride: usize, out: &mut [f32]) {
         let n = out.len();
         let rows = x.len();
-        assert!(w.len() >= rows * n, "axpy_rows_f16: {} weights for {rows}x{n}", w.len());
+        assert!(
+            rows == 0 || (n <= stride && (rows - 1) * stride + n <= w.len()),
+            "axpy_rows_f16: {} weights for {rows} rows of {n} columns, {stride} apart",
+            w.len()
+        );
         let blocks = n / 8;
         let full = rows / 4 * 4;
         for k in (0..full).step_by(4) {
@@ -228,11 +236,11 @@ mod kernels {
             for b in 0..blocks {
                 // SAFETY: rows k..k+4 of w and out[8b..8b+8] are in bounds (asserted above).
                 unsafe {
-                    let wp = w.as_ptr().add(k * n + b * 8);
+                    let wp = w.as_ptr().add(k * stride + b * 8);
                     let (l0, h0) = load8(wp);
-                    let (l1, h1) = load8(wp.add(n));
-                    let (l2, h2) = load8(wp.add(2 * n));
-                    let (l3, h3) = load8(wp.add(3 * n));
+                    let (l1, h1) = load8(wp.add(stride));
+                    let (l2, h2) = load8(wp.add(2 * stride));
+                    let (l3, h3) = load8(wp.add(3 * stride));
                     let lo = f32x4_add(f32x4_mul(a[0], l0), f32x4_mul(a[1], l1));
                     let lo = f32x4_add(f32x4_add(lo, f32x4_mul(a[2], l2)), f32x4_mul(a[3], l3));
                     let hi = f32x4_add(f32x4_mul(a[0], h0), f32x4_mul(a[1], h1));
@@ -244,25 +252,25 @@ mod kernels {
             }
             // The columns past the last whole block, added as the portable kernel adds them.
             for j in blocks * 8..n {
-                let h = |r: usize| f16_scaled(w[(k + r) * n + j]);
+                let h = |r: usize| f16_scaled(w[(k + r) * stride + j]);
                 out[j] += x[k] * h(0) + x[k + 1] * h(1) + x[k + 2] * h(2) + x[k + 3] * h(3);
             }
         }
-        axpy_rows_f16_with(&x[full..], &w[full * n..rows * n], out, f16_scaled);
+        if full < rows {
+            axpy_rows_f16_with(&x[full..], &w[full * stride..], stride, out, f16_scaled);
+        }
     }
 }
-/// `out[n] += sum_k x[k] * w[k, n]` over the rows of `w` (`[x.len(), out.len()]`, f32),
-/// four rows per pass over `out`.
-pub fn axpy_rows(x: &[f32], w: &[f32], out: &mut [f32]) {
+/// `out[j] += sum_k x[k] * w[k * stride + j]` (f32 weights): `out.len()` columns of the
+/// `x.len()` rows of a matrix whose rows are `stride` apart; four rows per pass over `out`.
+pub fn axpy_rows(x: &[f32], w: &[f32], stride: usize, out: &mut [f32]) {
     let n = out.len();
     let rows = x.len();
+    let row = |k: usize| &w[k * stride..k * stride + n];
     let mut k = 0;
     while k + 4 <= rows {
         let (a0, a1, a2, a3) = (x[k], x[k + 1], x[k + 2], x[k + 3]);
-        let w0 = &w[k * n..(k + 1) * n];
-        let w1 = &w[(k + 1) * n..(k + 2) * n];
-        let w2 = &w[(k + 2) * n..(k + 3) * n];
-        let w3 = &w[(k + 3) * n..(k + 4) * n];
+        let (w0, w1, w2, w3) = (row(k), row(k + 1), row(k + 2), row(k + 3));
         for j in 0..n {
             out[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
         }
@@ -270,7 +278,7 @@ pub fn axpy_rows(x: &[f32], w: &[f32], out: &mut [f32]) {
     }
     while k < rows {
         let a = x[k];
-        for (o, &v) in out.iter_mut().zip(&w[k * n..(k + 1) * n]) {
+        for (o, &v) in out.iter_mut().zip(row(k)) {
             *o += a * v;
         }
         k += 1;
@@ -326,9 +334,15 @@ mod tests {
             f16_to_f32_slice(&w, &mut w32);
             // [k, n]: rows of w added into out.
             let mut want = vec![0.5f32; n];
-            axpy_rows(&x, &w32, &mut want);
+            axpy_rows(&x, &w32, n, &mut want);
             let mut got = vec![0.5f32; n];
-            axpy_rows_f16(&x, &w, &mut got);
+            axpy_rows_f16(&x, &w, n, &mut got);
+            assert_eq!(got, want, "axpy k={k} n={n} big={big}");
+            // The last 3 columns only, rows n apart.
+            let mut want = vec![0.5f32; 3];
+            axpy_rows(&x, &w32[n - 3..], n, &mut want);
+            let mut got = vec![0.5f32; 3];
+            axpy_rows_f16(&x, &w[n - 3..], n, &mut got);
             assert_eq!(got, want, "axpy k={k} n={n} big={big}");
             // [n, k]: one dot product per output.
             let want: Vec<f32> = w32.chunks_exact(k).take(n).map(|r| dot_f16_ref(&x, r)).collect();

@@ -302,9 +302,10 @@ const GROUP: usize = 32;
 /// `out[r, n] = sum_k a[r, k] * w[n, k]` with `w[n, k] = (q[n, k] - zero) * scale` of its block.
 ///
 /// One row (decoding): each column's packed blocks are read once and dequantized in
-/// registers (`column4` / `column8`). Several rows (a prompt): a few columns at a time are
-/// dequantized into a small buffer, then multiplied with every row, so the dequantization is
-/// paid once per column and the f32 weight never exists whole.
+/// registers. Several rows (a prompt): a few columns at a time are dequantized into a small
+/// buffer, then multiplied with every row, so the dequantization is paid once per column and
+/// the f32 weight never exists whole. Under the `threads` feature the columns are split across
+/// the pool (`parallel`).
 pub fn matmul(
     op: &NBits,
     a: &[f32],
@@ -313,6 +314,22 @@ pub fn matmul(
     scales: &[f32],
     zp: &Zero,
     out: &mut [f32],
+) -> TractResult<()> {
+    let parts = super::parallel::parts_for(rows * op.n * op.k);
+    matmul_in_parts(op, a, rows, b, scales, zp, out, parts)
+}
+
+/// [`matmul`] with the output columns split in `parts` ranges.
+#[allow(clippy::too_many_arguments)]
+fn matmul_in_parts(
+    op: &NBits,
+    a: &[f32],
+    rows: usize,
+    b: &[u8],
+    scales: &[f32],
+    zp: &Zero,
+    out: &mut [f32],
+    parts: usize,
 ) -> TractResult<()> {
     let (k, n, bits, bs) = (op.k, op.n, op.bits, op.block_size);
     let (blocks, blob, zp_blob) = (op.blocks(), op.blob(), op.zp_blob());
@@ -363,24 +380,51 @@ pub fn matmul(
         zp,
         scales,
     };
-    if rows == 1 {
-        for (col, o) in out.iter_mut().enumerate() {
-            *o = params.column_dot(col, b, &ap);
-        }
-    } else {
-        const COLS: usize = 4;
-        let mut w = vec![0f32; COLS * padded];
-        for first in (0..n).step_by(COLS) {
-            let cols = COLS.min(n - first);
-            for c in 0..cols {
-                params.dequantize(first + c, b, &mut w[c * padded..(c + 1) * padded]);
+    // The column ranges run in parallel (`parallel::by_columns`); the same values for any
+    // `parts`.
+    super::parallel::by_columns(out, rows, n, COLS, parts, |cols, block| {
+        params.columns(cols, b, &ap, rows, block)
+    });
+    Ok(())
+}
+
+/// Columns grouped by the prompt kernel (`dot4`); split points fall on multiples of it.
+const COLS: usize = 4;
+
+impl Params<'_> {
+    /// Columns `cols` of the output into `block` (`[rows, cols.len()]`).
+    ///
+    /// One row (decoding): each column's packed blocks are read once and dequantized in
+    /// registers (`column_dot`). Several rows (a prompt): `COLS` columns at a time are
+    /// dequantized into a small buffer, then multiplied with every row.
+    fn columns(
+        &self,
+        cols: std::ops::Range<usize>,
+        b: &[u8],
+        ap: &[f32],
+        rows: usize,
+        block: &mut [f32],
+    ) {
+        let padded = self.blocks * self.bs;
+        let width = cols.len();
+        if rows == 1 {
+            for (col, o) in cols.zip(block.iter_mut()) {
+                *o = self.column_dot(col, b, ap);
             }
+            return;
+        }
+        let mut w = vec![0f32; COLS * padded];
+        for first in cols.clone().step_by(COLS) {
+            let count = COLS.min(cols.end - first);
+            for c in 0..count {
+                self.dequantize(first + c, b, &mut w[c * padded..(c + 1) * padded]);
+            }
+            let at = first - cols.start;
             for r in 0..rows {
                 let x = &ap[r * padded..(r + 1) * padded];
-                let o = &mut out[r * n + first..r * n + first + cols];
-                if cols == COLS {
-                    let d = dot4(x, &w);
-                    o.copy_from_slice(&d);
+                let o = &mut block[r * width + at..r * width + at + count];
+                if count == COLS {
+                    o.copy_from_slice(&dot4(x, &w));
                 } else {
                     for (c, o) in o.iter_mut().enumerate() {
                         *o = dot(x, &w[c * padded..(c + 1) * padded]);
@@ -389,7 +433,6 @@ pub fn matmul(
             }
         }
     }
-    Ok(())
 }
 
 /// Reorders `src` into `dst` group by group: the even elements of a group, then the odd ones
@@ -601,6 +644,73 @@ mod kernels {
 #[cfg(test)]
 mod tests {
     use super::super::testing::check;
+    use super::*;
+
+    /// A deterministic pseudo-random stream (xorshift).
+    fn stream(seed: u64) -> impl FnMut() -> u32 {
+        let mut s = seed;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 32) as u32
+        }
+    }
+
+    /// Split across 2, 3 and 5 parts (threads under the `threads` feature), the output is
+    /// bit-identical to the one-part kernel: decode (1 row) and prompt (7 rows), 4 and 8 bits,
+    /// default, packed and float zero points, a partial last block, N not a multiple of 4.
+    #[test]
+    fn column_split_is_bit_identical() {
+        let mut next = stream(0x9e37_79b9_7f4a_7c15);
+        for (bits, bs, k, n, zp_kind) in [
+            (4, 32, 96, 37, 0),
+            (4, 16, 80, 21, 1),
+            (4, 128, 200, 18, 2),
+            (8, 64, 130, 23, 1),
+        ] {
+            let op = NBits {
+                k,
+                n,
+                bits,
+                block_size: bs,
+                zero_points: None,
+                bias: None,
+                inputs: 3,
+                label: "test".into(),
+            };
+            let b: Vec<u8> = (0..n * op.blocks() * op.blob())
+                .map(|_| next() as u8)
+                .collect();
+            let scales: Vec<f32> = (0..n * op.blocks())
+                .map(|_| (next() % 1000) as f32 / 4000.0)
+                .collect();
+            let zp_packed: Vec<u8> = (0..n * op.zp_blob()).map(|_| next() as u8).collect();
+            let zp_float: Vec<f32> = (0..n * op.blocks()).map(|_| (next() % 16) as f32).collect();
+            let zp = match zp_kind {
+                0 => Zero::Default,
+                1 => Zero::Packed(&zp_packed),
+                _ => Zero::Float(&zp_float),
+            };
+            for rows in [1, 7] {
+                let a: Vec<f32> = (0..rows * k)
+                    .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let mut one = vec![0f32; rows * n];
+                matmul_in_parts(&op, &a, rows, &b, &scales, &zp, &mut one, 1).unwrap();
+                assert!(one.iter().any(|v| *v != 0.0));
+                for parts in [2, 3, 5] {
+                    let mut split = vec![0f32; rows * n];
+                    matmul_in_parts(&op, &a, rows, &b, &scales, &zp, &mut split, parts).unwrap();
+                    let same = one
+                        .iter()
+                        .zip(&split)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "bits={bits} bs={bs} rows={rows} parts={parts}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn mnb_q4_b32() {

@@ -5,7 +5,10 @@
 //! sums are f32.
 //!
 //! One row of `A` (decoding) streams the weight once. Several rows (a prompt) take a panel of
-//! the weight at a time (converted to f32 for f16) and multiply it with every row.
+//! the weight at a time (converted to f32 for f16) and multiply it with every row. Under the
+//! `threads` feature the output columns are split across the threads (`parallel.rs`).
+
+use std::ops::Range;
 
 use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::NodeProto;
@@ -168,11 +171,8 @@ impl EvalOp for WeightsOp {
         } else {
             W::F32(w.as_slice::<f32>()?)
         };
-        if op.transposed {
-            matmul_nk(x, rows, w, k, n, &mut out);
-        } else {
-            matmul_kn(x, rows, w, k, n, &mut out);
-        }
+        let parts = super::parallel::parts_for(rows * k * n);
+        matmul(x, rows, w, k, n, op.transposed, parts, &mut out);
         let mut shape: TVec<usize> = a.shape().into();
         if let Some(last) = shape.last_mut() {
             *last = n;
@@ -204,28 +204,56 @@ impl W<'_> {
     }
 }
 
-/// `out[r, j] = sum_k x[r, k] * w[j, k]`, `w` `[n, k]`.
-fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, n: usize, out: &mut [f32]) {
+/// Columns grouped by the prompt kernel of `[n, k]` weights (`dot4`); split points fall on
+/// multiples of it.
+const COLS: usize = 4;
+
+/// `out[r, j] = sum_k x[r, k] * w[.., ..]` (`[n, k]` weights when `transposed`, else `[k,
+/// n]`), the columns split in `parts` ranges that run in parallel (`parallel::by_columns`);
+/// the same values for any `parts`.
+#[allow(clippy::too_many_arguments)]
+fn matmul(
+    x: &[f32],
+    rows: usize,
+    w: W,
+    k: usize,
+    n: usize,
+    transposed: bool,
+    parts: usize,
+    out: &mut [f32],
+) {
+    super::parallel::by_columns(out, rows, n, COLS, parts, |cols, block| {
+        if transposed {
+            matmul_nk(x, rows, w, k, cols, block);
+        } else {
+            matmul_kn(x, rows, w, k, n, cols, block);
+        }
+    });
+}
+
+/// Columns `cols` of `x @ w^T`, `w` `[n, k]`, into `block` (`[rows, cols.len()]`).
+fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, cols: Range<usize>, block: &mut [f32]) {
     if rows == 1 {
         match w {
             W::F32(w) => {
-                for (j, o) in out.iter_mut().enumerate() {
+                for (j, o) in cols.zip(block.iter_mut()) {
                     *o = dot(x, &w[j * k..(j + 1) * k]);
                 }
             }
-            W::F16(w) => matvec_f16_nk(x, &w[..n * k], out),
+            W::F16(w) => matvec_f16_nk(x, &w[cols.start * k..cols.end * k], block),
         }
         return;
     }
-    const COLS: usize = 4;
+    let width = cols.len();
     let mut panel = vec![0f32; COLS * k];
-    for first in (0..n).step_by(COLS) {
-        let cols = COLS.min(n - first);
-        w.to_f32(first * k..(first + cols) * k, &mut panel[..cols * k]);
+    for first in cols.clone().step_by(COLS) {
+        let count = COLS.min(cols.end - first);
+        w.to_f32(first * k..(first + count) * k, &mut panel[..count * k]);
+        let at = first - cols.start;
         for r in 0..rows {
             let xr = &x[r * k..(r + 1) * k];
-            let o = &mut out[r * n + first..r * n + first + cols];
-            if cols == COLS {
+            let o = &mut block[r * width + at..r * width + at + count];
+            if count == COLS {
                 o.copy_from_slice(&dot4(xr, &panel));
             } else {
                 for (c, o) in o.iter_mut().enumerate() {
@@ -236,31 +264,92 @@ fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, n: usize, out: &mut [f32]) 
     }
 }
 
-/// `out[r, j] = sum_k x[r, k] * w[k, j]`, `w` `[k, n]`: a panel of `w`'s rows at a time
-/// (converted to f32 for f16) added into every row of `out`.
-fn matmul_kn(x: &[f32], rows: usize, w: W, k: usize, n: usize, out: &mut [f32]) {
+/// Columns `cols` of `x @ w`, `w` `[k, n]`, added into `block` (`[rows, cols.len()]`, zeroed):
+/// a panel of `w`'s rows at a time (converted to f32 for f16) added into every row.
+fn matmul_kn(
+    x: &[f32],
+    rows: usize,
+    w: W,
+    k: usize,
+    n: usize,
+    cols: Range<usize>,
+    block: &mut [f32],
+) {
+    let width = cols.len();
     if rows == 1 {
         match w {
-            W::F32(w) => axpy_rows(x, w, out),
-            W::F16(w) => axpy_rows_f16(x, w, out),
+            W::F32(w) => axpy_rows(x, &w[cols.start..], n, block),
+            W::F16(w) => axpy_rows_f16(x, &w[cols.start..], n, block),
         }
         return;
     }
-    // About 64 KiB of f32 per panel.
+    // About 64 KiB of f32 per panel of the whole width (the panel height depends on `n`, not on
+    // the split, so every column sums in the same order).
     let panel_rows = (16384 / n).clamp(4, k);
-    let mut buffer = vec![0f32; panel_rows * n];
+    let mut buffer = vec![0f32; panel_rows * width];
     for first in (0..k).step_by(panel_rows) {
         let count = panel_rows.min(k - first);
-        let panel: &[f32] = match w {
-            W::F32(w) => &w[first * n..(first + count) * n],
+        let (panel, stride): (&[f32], usize) = match w {
+            W::F32(w) => (&w[first * n + cols.start..], n),
             W::F16(_) => {
-                w.to_f32(first * n..(first + count) * n, &mut buffer[..count * n]);
-                &buffer[..count * n]
+                for (i, dst) in buffer[..count * width].chunks_exact_mut(width).enumerate() {
+                    let at = (first + i) * n + cols.start;
+                    w.to_f32(at..at + width, dst);
+                }
+                (&buffer[..count * width], width)
             }
         };
         for r in 0..rows {
             let xr = &x[r * k + first..r * k + first + count];
-            axpy_rows(xr, panel, &mut out[r * n..(r + 1) * n]);
+            axpy_rows(xr, panel, stride, &mut block[r * width..(r + 1) * width]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Split across 2, 3 and 5 parts (threads under the `threads` feature), the output is
+    /// bit-identical to the one-part kernel: f32 and f16 weights, `[k, n]` and `[n, k]`, decode
+    /// (1 row) and prompt (6 rows), N not a multiple of 4.
+    #[test]
+    fn column_split_is_bit_identical() {
+        let mut s = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) % 2001) as f32 / 1000.0 - 1.0
+        };
+        let (k, n) = (70, 4103);
+        let w32: Vec<f32> = (0..k * n).map(|_| next()).collect();
+        let w16: Vec<u16> = w32
+            .iter()
+            .map(|v| half::f16::from_f32(*v).to_bits())
+            .collect();
+        for w in [W::F32(&w32), W::F16(&w16)] {
+            for transposed in [false, true] {
+                for rows in [1, 6] {
+                    let x: Vec<f32> = (0..rows * k).map(|_| next()).collect();
+                    let mut one = vec![0f32; rows * n];
+                    matmul(&x, rows, w, k, n, transposed, 1, &mut one);
+                    assert!(one.iter().any(|v| *v != 0.0));
+                    for parts in [2, 3, 5] {
+                        let mut split = vec![0f32; rows * n];
+                        matmul(&x, rows, w, k, n, transposed, parts, &mut split);
+                        let same = one
+                            .iter()
+                            .zip(&split)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        let f16 = matches!(w, W::F16(_));
+                        assert!(
+                            same,
+                            "f16={f16} transposed={transposed} rows={rows} parts={parts}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod group_query_attention;
 pub mod linalg;
 pub mod matmul_nbits;
 pub mod matmul_weights;
+pub mod parallel;
 pub mod tract_builtins;
 
 use tract_onnx::model::OnnxOpRegister;
