@@ -557,11 +557,16 @@ async fn js_logits_processor_bans_a_token_like_suppress_tokens() {
 fn f16_kernels_match_the_f32_kernels() {
     use onnx_generate::model::ops::linalg::{axpy_rows, axpy_rows_f16, matvec_f16_nk};
     for (k, n) in [(7usize, 13usize), (32, 24), (64, 40)] {
-        let x: Vec<f32> = (0..k).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
+        let x: Vec<f32> = (0..k)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+            .collect();
         let w: Vec<u16> = (0..k * n)
             .map(|i| half::f16::from_f32(((i * 53 % 101) as f32 - 50.0) / 64.0).to_bits())
             .collect();
-        let w32: Vec<f32> = w.iter().map(|&h| half::f16::from_bits(h).to_f32()).collect();
+        let w32: Vec<f32> = w
+            .iter()
+            .map(|&h| half::f16::from_bits(h).to_f32())
+            .collect();
         let mut want = vec![0.25f32; n];
         axpy_rows(&x, &w32, n, &mut want);
         let mut got = vec![0.25f32; n];
@@ -571,7 +576,10 @@ fn f16_kernels_match_the_f32_kernels() {
         matvec_f16_nk(&x, &w, &mut got);
         for (j, g) in got.iter().enumerate() {
             let want: f64 = (0..k).map(|i| x[i] as f64 * w32[j * k + i] as f64).sum();
-            assert!((*g as f64 - want).abs() < 1e-4, "matvec_f16_nk k={k} n={n} j={j}: {g} vs {want}");
+            assert!(
+                (*g as f64 - want).abs() < 1e-4,
+                "matvec_f16_nk k={k} n={n} j={j}: {g} vs {want}"
+            );
         }
     }
 }

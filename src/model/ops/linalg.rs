@@ -314,10 +314,16 @@ mod tests {
         let w = (0..k * n)
             .map(|_| {
                 let h = next() as u16;
-                if f16_is_special(h) { h & 0x83ff } else { h }
+                if f16_is_special(h) {
+                    h & 0x83ff
+                } else {
+                    h
+                }
             })
             .collect();
-        let mut x: Vec<f32> = (0..k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        let mut x: Vec<f32> = (0..k)
+            .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
         if big {
             x[k / 2] = 70000.0; // beyond SCALED_INPUT_LIMIT: the unscaled path
         }
@@ -328,7 +334,12 @@ mod tests {
     /// the scaled path and on the path for large inputs, with row and column tails.
     #[test]
     fn f16_kernels_match_the_f32_kernels() {
-        for (k, n, big) in [(7, 13, false), (32, 24, false), (12, 40, true), (33, 5, true)] {
+        for (k, n, big) in [
+            (7, 13, false),
+            (32, 24, false),
+            (12, 40, true),
+            (33, 5, true),
+        ] {
             let (x, w) = case(k, n, big);
             let mut w32 = vec![0f32; w.len()];
             f16_to_f32_slice(&w, &mut w32);
@@ -345,7 +356,11 @@ mod tests {
             axpy_rows_f16(&x, &w[n - 3..], n, &mut got);
             assert_eq!(got, want, "axpy k={k} n={n} big={big}");
             // [n, k]: one dot product per output.
-            let want: Vec<f32> = w32.chunks_exact(k).take(n).map(|r| dot_f16_ref(&x, r)).collect();
+            let want: Vec<f32> = w32
+                .chunks_exact(k)
+                .take(n)
+                .map(|r| dot_f16_ref(&x, r))
+                .collect();
             let mut got = vec![0f32; n];
             matvec_f16_nk(&x, &w, &mut got);
             assert_eq!(got, want, "matvec k={k} n={n} big={big}");
