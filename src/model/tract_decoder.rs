@@ -435,6 +435,7 @@ pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
     let mut typed = model.into_typed()?;
     declutter_passes().optimize(&mut typed)?;
     typed.optimize()?;
+    crate::model::ops::binary::replace_generic(&mut typed)?;
     Ok(typed)
 }
 

@@ -461,6 +461,7 @@ struct Params<'a> {
 
 impl Params<'_> {
     /// The zero point of block `blk` of column `col`.
+    #[inline(always)]
     fn zero(&self, col: usize, blk: usize) -> f32 {
         match self.zp {
             Zero::Default => (1u32 << (self.bits - 1)) as f32,
@@ -478,8 +479,19 @@ impl Params<'_> {
         let base = col * self.blocks;
         let src = &b[base * self.blob..(base + self.blocks) * self.blob];
         let scales = &self.scales[base..base + self.blocks];
-        if self.bits == 4 && self.bs >= GROUP && !matches!(self.zp, Zero::Float(_)) {
-            return kernels::q4_column(src, x, self.bs, scales, |blk| self.zero(col, blk) as u8);
+        if self.bits == 4 && self.bs >= GROUP {
+            // The default zero point as a constant, so the kernel inlines it: through
+            // `Params::zero`, a call per block, q4 SmolLM2 decoded at 24.6 tok/s in Node
+            // instead of 40.7.
+            match self.zp {
+                Zero::Default => return kernels::q4_column(src, x, self.bs, scales, |_| 8),
+                Zero::Packed(_) => {
+                    return kernels::q4_column(src, x, self.bs, scales, |blk| {
+                        self.zero(col, blk) as u8
+                    })
+                }
+                Zero::Float(_) => {}
+            }
         }
         let mut total = 0f32;
         for blk in 0..self.blocks {

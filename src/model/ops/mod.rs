@@ -7,6 +7,7 @@
 //! `DynamicQuantizeLinear` path are tract-onnx's own; `tests/contrib_ops.rs` checks them
 //! against onnxruntime like the ops written here.
 
+pub mod binary;
 pub mod gather_block_quantized;
 pub mod group_query_attention;
 pub mod linalg;
