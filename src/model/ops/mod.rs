@@ -3,14 +3,15 @@
 //! at load time, naming the node, on anything else.
 //!
 //! The layer norms (`SimplifiedLayerNormalization`, `SkipSimplifiedLayerNormalization`,
-//! `SkipLayerNormalization`), `RotaryEmbedding` and the `MatMulInteger` /
-//! `DynamicQuantizeLinear` path are tract-onnx's own; `tests/contrib_ops.rs` checks them
-//! against onnxruntime like the ops written here.
+//! `SkipLayerNormalization`), `RotaryEmbedding` and `DynamicQuantizeLinear` are tract-onnx's
+//! own, and so is `MatMulInteger` but for 8-bit weights (`matmul_integer`); `tests/contrib_ops.rs`
+//! checks them against onnxruntime like the ops written here.
 
 pub mod binary;
 pub mod gather_block_quantized;
 pub mod group_query_attention;
 pub mod linalg;
+pub mod matmul_integer;
 pub mod matmul_nbits;
 pub mod matmul_weights;
 pub mod parallel;
@@ -31,6 +32,11 @@ pub fn register(reg: &mut OnnxOpRegister) {
         crate::model::weights::MATMUL_WEIGHTS,
         matmul_weights::matmul_weights,
     );
+    // tract-onnx's own builder stays for the forms `matmul_integer` does not take.
+    if let Some(&tract) = reg.0.get("MatMulInteger") {
+        let _ = matmul_integer::TRACT_BUILDER.set(tract);
+    }
+    reg.insert("MatMulInteger", matmul_integer::matmul_integer);
     reg.insert(
         "GatherBlockQuantized",
         gather_block_quantized::gather_block_quantized,
@@ -76,17 +82,19 @@ pub(crate) fn initializer_dims(
     ctx: &tract_onnx::model::ParsingContext,
     name: &str,
 ) -> Option<Vec<i64>> {
-    let graphs = ctx
-        .model
+    initializer(ctx, name).map(|t| t.dims.clone())
+}
+
+/// The initializer `name` of the model or of a graph around it, when there is one.
+pub(crate) fn initializer<'a>(
+    ctx: &'a tract_onnx::model::ParsingContext,
+    name: &str,
+) -> Option<&'a tract_onnx::pb::TensorProto> {
+    ctx.model
         .graph
         .iter()
-        .chain(ctx.parent_graphs.iter().copied());
-    for g in graphs {
-        if let Some(t) = g.initializer.iter().find(|t| t.name == name) {
-            return Some(t.dims.clone());
-        }
-    }
-    None
+        .chain(ctx.parent_graphs.iter().copied())
+        .find_map(|g| g.initializer.iter().find(|t| t.name == name))
 }
 
 /// Runs a case of `tests/fixtures/ops` (made by `scripts/op_references.py` with onnxruntime)
