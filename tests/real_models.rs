@@ -103,7 +103,7 @@ fn smollm2_model_q4() {
     });
 }
 
-/// The int8 export (DynamicQuantizeLinear + MatMulInteger, tract-onnx's kernels, exact integer
+/// The int8 export (DynamicQuantizeLinear + MatMulInteger, `ops::matmul_integer`, exact integer
 /// arithmetic) answers as the fp32 model does under onnxruntime: "The capital of France is
 /// Paris." with the same ids. onnxruntime's own run of this int8 file answers in French ("L'Alma,
 /// la France, ...", recorded in the fixture), most likely because its x86 u8 x s8 kernel can saturate
