@@ -6,6 +6,7 @@
 //   npm run bench -- [--quick] [--models fp32,q4,whisper] [--env node,chromium] [--threads 1,2]
 //                    [--reps N] [--tokens N] [--budget SECONDS] [--out FILE]
 //                    [--parallel-threshold MACS]   (the threads build's setParallelThreshold)
+//                    [--pkg pkg-small]   (onnx-generate's 1-thread package: pkg/ by default)
 //   npm run bench -- --batch 1,4,8 [--models fp32] [--env ...] [--tokens 16]   (onnx-generate only)
 import { execFileSync, spawn } from "node:child_process";
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
@@ -30,7 +31,7 @@ const opt = (name, fallback) => {
   return i >= 0 && argv[i + 1] !== undefined ? argv[i + 1] : fallback;
 };
 const list = (s) => String(s).split(",").map((x) => x.trim()).filter(Boolean);
-const known = new Set(["quick", "models", "env", "threads", "reps", "tokens", "budget", "out", "batch", "parallel-threshold", "help"]);
+const known = new Set(["quick", "models", "env", "threads", "reps", "tokens", "budget", "out", "batch", "parallel-threshold", "pkg", "help"]);
 for (const a of argv) {
   if (a.startsWith("--") && !known.has(a.slice(2))) {
     console.error(`bench: unknown option ${a} (known: ${[...known].map((k) => "--" + k).join(" ")})`);
@@ -56,6 +57,8 @@ const options = {
   batch: flag("batch") ? list(opt("batch", "1,4,8")).map(Number) : [],
   // The threads build's setParallelThreshold (multiply-accumulates), when given.
   parallelThreshold: opt("parallel-threshold", null) === null ? null : Number(opt("parallel-threshold")),
+  // The folder of the 1-thread package, in the repository (pkg-small/: the small build).
+  pkg: opt("pkg", "pkg").replace(/\/+$/, ""),
 };
 for (const e of options.envs) {
   if (!["node", "chromium"].includes(e)) throw new Error(`--env: "${e}" is not node or chromium`);
@@ -68,8 +71,10 @@ if (options.parallelThreshold !== null && !(Number.isInteger(options.parallelThr
 }
 if (!(options.tokens >= 2)) throw new Error("--tokens must be at least 2 (decode is timed over tokens 2..N)");
 
-const pkgWasm = join(repo, "pkg/onnx_generate_bg.wasm");
+const pkgWasm = join(repo, options.pkg, "onnx_generate_bg.wasm");
 if (!existsSync(pkgWasm)) throw new Error(`${pkgWasm} not found: build it with scripts/build-wasm.sh`);
+// The small build (pkg-small/), when it is there: its size is reported beside pkg/'s.
+const smallWasm = join(repo, "pkg-small/onnx_generate_bg.wasm");
 // onnx-generate on more than one thread: the threads build (pkg-threads/), in Chromium only
 // (wasm-bindgen-rayon's workers are Web Workers, which Node lacks).
 const threadsWasm = join(repo, "pkg-threads/onnx_generate_bg.wasm");
@@ -138,6 +143,7 @@ const spec = (engine, model, threads) => ({
   budgetMs: options.budgetMs,
   speech: model.speech && { language: model.speech.language, encoder: model.speech.encoder },
   parallelThreshold: options.parallelThreshold,
+  pkg: options.pkg,
 });
 
 /** onnx-generate's thread counts in `env`: 1 (pkg/), and in Chromium each larger count of
@@ -191,7 +197,7 @@ async function startServer() {
   server = await serve({
     port: 0,
     mounts: {
-      "/pkg/": join(repo, "pkg"),
+      "/pkg/": join(repo, options.pkg),
       "/pkg-threads/": join(repo, "pkg-threads"),
       "/bench/": join(here, "lib"),
       "/tjs/": join(tjsDir, "dist"),
@@ -343,9 +349,12 @@ function size(path) {
   const bytes = readFileSync(path);
   return { raw: bytes.length, gzip: gzipSync(bytes, { level: 9 }).length };
 }
-const sizes = [{ engine: "onnx-generate", file: "pkg/onnx_generate_bg.wasm", ...size(pkgWasm) }];
+const sizes = [{ engine: "onnx-generate", file: `${options.pkg}/onnx_generate_bg.wasm`, ...size(pkgWasm) }];
+if (options.pkg !== "pkg-small" && existsSync(smallWasm)) {
+  sizes.push({ engine: "onnx-generate", file: "pkg-small/onnx_generate_bg.wasm", alternative: true, ...size(smallWasm) });
+}
 if (hasThreadsPkg) sizes.push({ engine: "onnx-generate", file: "pkg-threads/onnx_generate_bg.wasm", alternative: true, ...size(threadsWasm) });
-sizes.push({ engine: "onnx-generate", file: "pkg/onnx_generate.js + snippets", ...sumSizes(pkgJsFiles()) });
+sizes.push({ engine: "onnx-generate", file: `${options.pkg}/onnx_generate.js + snippets`, ...sumSizes(pkgJsFiles()) });
 const tjsFiles = fetched.size
   ? [...fetched.keys()].sort()
   : ["/tjs/transformers.js", "/ort/ort-wasm-simd-threaded.asyncify.mjs", "/ort/ort-wasm-simd-threaded.asyncify.wasm"];
@@ -354,14 +363,14 @@ for (const p of tjsFiles) {
   sizes.push({ engine: "transformers.js", file: p.slice(1) + (fetched.size ? "" : " (default; not observed)"), ...size(file) });
 }
 function pkgJsFiles() {
-  const out = [join(repo, "pkg/onnx_generate.js")];
+  const out = [join(repo, options.pkg, "onnx_generate.js")];
   const walk = (d) => {
     for (const e of readdirSync(d, { withFileTypes: true })) {
       if (e.isDirectory()) walk(join(d, e.name));
       else if (e.name.endsWith(".js")) out.push(join(d, e.name));
     }
   };
-  if (existsSync(join(repo, "pkg/snippets"))) walk(join(repo, "pkg/snippets"));
+  if (existsSync(join(repo, options.pkg, "snippets"))) walk(join(repo, options.pkg, "snippets"));
   return out;
 }
 function sumSizes(files) {

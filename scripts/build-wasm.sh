@@ -7,16 +7,22 @@
 # --threads builds the threads package in pkg-threads/ instead: the `threads` feature (rayon)
 # with wasm-bindgen-rayon's initThreadPool, on the nightly toolchain with std rebuilt for
 # shared memory (-Z build-std, +atomics,+bulk-memory,+mutable-globals), in its own target
-# folder (target/wasm-threads, cold the first time). It needs a cross-origin isolated page
+# folder (wasm-threads/ in the target folder, cold the first time). It needs a cross-origin isolated page
 # (COOP/COEP) and Web Workers, so it runs in browsers, not in Node.
+#
+# --small builds the small package in pkg-small/ instead: the same code with the release-small
+# profile of Cargo.toml (dependencies optimised for size, fat LTO), for size limits such as a
+# Cloudflare Worker's; cargo and wasm-bindgen directly (wasm-pack has no custom profiles).
 set -eu
 cd "$(dirname "$0")/.."
 threads=0
+small=0
 for arg in "$@"; do
   case "$arg" in
   --threads) threads=1 ;;
+  --small) small=1 ;;
   *)
-    echo "build-wasm: unknown option $arg (--threads builds pkg-threads/)" >&2
+    echo "build-wasm: unknown option $arg (--threads builds pkg-threads/, --small pkg-small/)" >&2
     exit 2
     ;;
   esac
@@ -24,7 +30,7 @@ done
 
 if [ "$threads" = 1 ]; then
   out=pkg-threads
-  target_dir=${THREADS_TARGET_DIR:-target/wasm-threads}
+  target_dir=${THREADS_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-threads}
   # Every crate, std included, with atomics. Shared memory needs a declared maximum: 4 GiB, the
   # most wasm32 can address (the linker's default of 1 GiB is less than a 540 MB model needs
   # while it loads).
@@ -43,6 +49,13 @@ if [ "$threads" = 1 ]; then
   rm -rf "$out"
   wasm-bindgen --target web --out-dir "$out" --out-name onnx_generate \
     "$target_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
+elif [ "$small" = 1 ]; then
+  out=pkg-small
+  export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128"
+  cargo build --profile release-small --target wasm32-unknown-unknown --lib
+  rm -rf "$out"
+  wasm-bindgen --target web --out-dir "$out" --out-name onnx_generate \
+    "${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/release-small/onnx_generate.wasm"
 else
   out=pkg
   export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128"

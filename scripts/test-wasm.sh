@@ -13,12 +13,14 @@
 #   6. the demo page end to end in Chromium (js-tests/e2e.mjs), with a screenshot in
 #      target/e2e/demo.png; then the threads package (pkg-threads/, scripts/build-wasm.sh
 #      --threads: nightly with build-std, cold the first time) in Chromium: initThreadPool(2) and
-#      the golden ids with every matmul split across the threads (js-tests/threads.mjs);
+#      the golden ids with every matmul split across the threads (js-tests/threads.mjs); then the
+#      small package (pkg-small/, scripts/build-wasm.sh --small): under 3 MiB gzipped, and the
+#      package API tests on it;
 #   7. the edge examples (js-tests/edge.test.mjs): the Cloudflare Worker under `wrangler dev` and
 #      the Deno server on 127.0.0.1, over HTTP (golden tokens, streaming, abort, bad requests),
 #      failing unless every test ran; then a short load test of both (scripts/load-test-edge.mjs).
 #   8. the benchmark harness (bench/) on the tiny fixture, a smoke run of both engines.
-# SKIP_BUILD=1 reuses an existing pkg/ and pkg-threads/.
+# SKIP_BUILD=1 reuses an existing pkg/, pkg-threads/ and pkg-small/.
 set -eu
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -95,6 +97,19 @@ if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f pkg-threads/onnx_generate_bg.wasm ]; th
   sh scripts/build-wasm.sh --threads
 fi
 node js-tests/threads.mjs
+
+# The small package (pkg-small/: dependencies optimised for size): the package API tests again,
+# and its gzipped wasm must stay under 3 MiB.
+if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f pkg-small/onnx_generate_bg.wasm ]; then
+  sh scripts/build-wasm.sh --small
+fi
+small_gz=$(gzip -9 -c pkg-small/onnx_generate_bg.wasm | wc -c)
+if [ "$small_gz" -gt 3145728 ]; then
+  echo "test-wasm: pkg-small's wasm is $small_gz bytes gzipped, over 3 MiB" >&2
+  exit 1
+fi
+ONNX_GENERATE_PKG="$root/pkg-small" node --test js-tests/api.test.mjs
+echo "test-wasm: package API tests on pkg-small/ ($small_gz bytes gzipped) passed"
 
 export WRANGLER_SEND_METRICS=false
 edge_log="$logs/edge.log"

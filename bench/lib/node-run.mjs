@@ -1,7 +1,7 @@
 // One benchmark run in its own Node process, so its peak RSS is its own:
 //   node bench/lib/node-run.mjs '<spec as JSON>'
 // prints one line `BENCH_RESULT <json>`. The spec comes from bench.mjs (see runSpec there).
-// onnx-generate loads the package in ../../pkg from bytes read from disk (Model.load);
+// onnx-generate loads the package in ../../pkg (or --pkg's folder) from bytes read from disk (Model.load);
 // transformers.js runs on onnxruntime-web's wasm backend (not onnxruntime-node), with
 // `threads` wasm threads.
 import { existsSync } from "node:fs";
@@ -22,12 +22,12 @@ const root = new URL("../../", import.meta.url);
 const audio = spec.speech ? readWav(await readFile(join(spec.model.dir, "audio.wav"))) : null;
 
 async function onnxGenerate() {
-  const pkg = await import(new URL("pkg/onnx_generate.js", root));
+  const pkg = await import(new URL(`${spec.pkg}/onnx_generate.js`, root));
   const dir = spec.model.dir;
   const optional = async (name) => (existsSync(join(dir, name)) ? readFile(join(dir, name)) : undefined);
   let wasmMemory;
   const load = async () => {
-    const exports = pkg.initSync({ module: await readFile(new URL("pkg/onnx_generate_bg.wasm", root)) });
+    const exports = pkg.initSync({ module: await readFile(new URL(`${spec.pkg}/onnx_generate_bg.wasm`, root)) });
     wasmMemory = exports.memory;
     return pkg.Model.load({
       model: await readFile(join(dir, spec.model.onnx)),

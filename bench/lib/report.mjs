@@ -81,7 +81,7 @@ export function report({ machine, options, models: all, runs, bandwidth, sizes }
       }), ` +
         `greedy, exactly ${options.tokens} new tokens (end-of-sequence disabled with min_new_tokens); ` +
         `${options.reps} repetition(s) per configuration, run A B A B, medians shown. ` +
-        `onnx-generate runs on 1 thread from pkg/ and, in Chromium, on more from the threads build (pkg-threads/: ` +
+        `onnx-generate runs on 1 thread from ${options.pkg}/ and, in Chromium, on more from the threads build (pkg-threads/: ` +
         `initThreadPool(n - 1) workers and the page's thread); in Node (no Web Workers) it runs on 1 thread only, and ` +
         `a ratio row "1 / 2" compares its 1-thread run with transformers.js on 2` +
         (options.parallelThreshold === null ? ". " : ` (threads build with setParallelThreshold(${options.parallelThreshold})). `) +
@@ -216,11 +216,11 @@ export function report({ machine, options, models: all, runs, bandwidth, sizes }
   out(`| engine | file | raw MB | gzip -9 MB |`);
   out(`|---|---|---|---|`);
   for (const s of sizes) out(`| ${s.engine} | ${s.file} | ${fmt(s.raw / MB, 2)} | ${fmt(s.gzip / MB, 2)} |`);
-  // pkg-threads/ replaces pkg/ where it is used: the total counts one package.
+  // pkg-threads/ and pkg-small/ replace pkg/ where they are used: the total counts one package.
   const total = (e) => sizes.filter((s) => s.engine === e && !s.alternative).reduce((a, s) => ({ raw: a.raw + s.raw, gzip: a.gzip + s.gzip }), { raw: 0, gzip: 0 });
   const og = total("onnx-generate");
   const tj = total("transformers.js");
-  out(`| **onnx-generate / transformers.js** | all files${sizes.some((s) => s.alternative) ? " (pkg/, not pkg-threads/)" : ""} | ${ratio(og.raw, tj.raw)} | ${ratio(og.gzip, tj.gzip)} |`);
+  out(`| **onnx-generate / transformers.js** | all files${sizes.some((s) => s.alternative) ? " (one package)" : ""} | ${ratio(og.raw, tj.raw)} | ${ratio(og.gzip, tj.gzip)} |`);
   out();
   if (problems.length) {
     out(`## Problems`);

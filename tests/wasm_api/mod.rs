@@ -583,3 +583,39 @@ fn f16_kernels_match_the_f32_kernels() {
         }
     }
 }
+
+/// The simd128 int8 kernel of `MatMulInteger` (`model::ops::matmul_integer`) gives the exact
+/// integer sums: signed and unsigned weights, odd K, N not a multiple of 16, one to three rows.
+#[wasm_bindgen_test]
+fn int8_kernel_is_exact() {
+    use onnx_generate::model::ops::matmul_integer::{matmul, Bytes};
+    for (k, n) in [(7usize, 5usize), (33, 37), (64, 48)] {
+        let w: Vec<u8> = (0..k * n).map(|i| (i * 73 % 256) as u8).collect();
+        let signed: Vec<i8> = w.iter().map(|&b| b as i8).collect();
+        for rows in 1..=3 {
+            let a: Vec<i16> = (0..rows * k).map(|i| (i * 97 % 511) as i16 - 255).collect();
+            for is_signed in [true, false] {
+                let want: Vec<i32> = (0..rows * n)
+                    .map(|i| {
+                        let (r, j) = (i / n, i % n);
+                        (0..k)
+                            .map(|kk| {
+                                let b = w[kk * n + j];
+                                let b = if is_signed { b as i8 as i32 } else { b as i32 };
+                                a[r * k + kk] as i32 * b
+                            })
+                            .sum()
+                    })
+                    .collect();
+                let bytes = if is_signed {
+                    Bytes::I8(&signed)
+                } else {
+                    Bytes::U8(&w)
+                };
+                let mut got = vec![0i32; rows * n];
+                matmul(&a, rows, bytes, k, n, &mut got);
+                assert_eq!(got, want, "k={k} n={n} rows={rows} signed={is_signed}");
+            }
+        }
+    }
+}
