@@ -420,7 +420,8 @@ fn compile(
     })
 }
 
-/// tract's declutter and codegen passes, without `FoldUniformMask`.
+/// tract's declutter and codegen passes, without `FoldUniformMask`, then the generic float
+/// arithmetic tract leaves per element replaced by vectorized ops (`ops::binary`).
 ///
 /// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
 /// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal

@@ -116,6 +116,9 @@ fn apply(
     shape: &[usize],
     f: impl Fn(f32, f32) -> f32,
 ) -> TractResult<Tensor> {
+    if shape.contains(&0) {
+        return Tensor::zero::<f32>(shape);
+    }
     let runs = Runs::new(shape, a.shape(), b.shape());
     let bs = b.try_as_plain_ram()?;
     let bs = bs.as_slice::<f32>()?;
@@ -266,6 +269,7 @@ mod tests {
             (&[1, 1], &[1, 1]),
             (&[3, 1, 2], &[3, 5, 2]),
             (&[4, 1], &[4, 6]),
+            (&[1, 3, 0, 4], &[1, 1, 1, 4]),
         ];
         let value = |i: usize| ((i * 7919) % 113) as f32 / 17.0 - 3.0;
         let tensor = |shape: &[usize], salt: usize| {

@@ -22,9 +22,9 @@ use tract_onnx::tract_hir::internal::*;
 use super::{initializer, input_slot, node_label};
 
 /// tract-onnx's builder, for the forms this op leaves to it.
-pub type Builder =
+pub(super) type Builder =
     fn(&ParsingContext, &NodeProto) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)>;
-pub static TRACT_BUILDER: OnceLock<Builder> = OnceLock::new();
+pub(super) static TRACT_BUILDER: OnceLock<Builder> = OnceLock::new();
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IntegerWeights {
@@ -101,12 +101,13 @@ impl Expansion for IntegerWeights {
         check_output_arity(outputs, 1)?;
         s.equals(&outputs[0].datum_type, i32::datum_type())?;
         s.equals(&outputs[0].rank, &inputs[0].rank)?;
-        let n = self.n.to_dim();
+        let (k, n) = (self.k.to_dim(), self.n.to_dim());
         s.given(&inputs[0].rank, move |s, rank| {
             let rank = rank as usize;
             for ax in 0..rank.saturating_sub(1) {
                 s.equals(&outputs[0].shape[ax], &inputs[0].shape[ax])?;
             }
+            s.equals(&inputs[0].shape[rank - 1], k.clone())?;
             s.equals(&outputs[0].shape[rank - 1], n.clone())
         })
     }

@@ -4,8 +4,9 @@
 //!
 //! The layer norms (`SimplifiedLayerNormalization`, `SkipSimplifiedLayerNormalization`,
 //! `SkipLayerNormalization`), `RotaryEmbedding` and `DynamicQuantizeLinear` are tract-onnx's
-//! own, and so is `MatMulInteger` but for 8-bit weights (`matmul_integer`); `tests/contrib_ops.rs`
-//! checks them against onnxruntime like the ops written here.
+//! own, and so is `MatMulInteger` but for 8-bit weights (`matmul_integer`); `tract_builtins.rs`
+//! checks them against onnxruntime like the ops written here. `binary` replaces tract's generic
+//! float arithmetic in compiled plans; `linalg` and `parallel` are the kernels' shared parts.
 
 pub mod binary;
 pub mod gather_block_quantized;
