@@ -15,7 +15,7 @@ use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::NodeProto;
 use tract_onnx::tract_hir::internal::*;
 
-use super::linalg::{dot, dot4};
+use super::linalg::{dot, dot4, dot4x2};
 use super::{initializer_dims, input_slot, matmul_output_fact, node_label};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -420,16 +420,28 @@ impl Params<'_> {
                 self.dequantize(first + c, b, &mut w[c * padded..(c + 1) * padded]);
             }
             let at = first - cols.start;
-            for r in 0..rows {
-                let x = &ap[r * padded..(r + 1) * padded];
+            let x = |r: usize| &ap[r * padded..(r + 1) * padded];
+            let mut r = 0;
+            while r < rows {
+                if count == COLS && r + 1 < rows {
+                    // Two rows share each loaded weight (the same sums as `dot4`).
+                    let sums = dot4x2(x(r), x(r + 1), &w);
+                    for (i, s) in sums.iter().enumerate() {
+                        let o = (r + i) * width + at;
+                        block[o..o + COLS].copy_from_slice(s);
+                    }
+                    r += 2;
+                    continue;
+                }
                 let o = &mut block[r * width + at..r * width + at + count];
                 if count == COLS {
-                    o.copy_from_slice(&dot4(x, &w));
+                    o.copy_from_slice(&dot4(x(r), &w));
                 } else {
                     for (c, o) in o.iter_mut().enumerate() {
-                        *o = dot(x, &w[c * padded..(c + 1) * padded]);
+                        *o = dot(x(r), &w[c * padded..(c + 1) * padded]);
                     }
                 }
+                r += 1;
             }
         }
     }
