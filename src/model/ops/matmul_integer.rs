@@ -19,7 +19,7 @@ use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::{tensor_proto::DataType, NodeProto};
 use tract_onnx::tract_hir::internal::*;
 
-use super::{initializer, input_slot, node_label};
+use super::{initializer, input_slot, matmul_output_fact, node_label};
 
 /// tract-onnx's builder, for the forms this op leaves to it.
 pub(super) type Builder =
@@ -144,10 +144,7 @@ impl Op for IntegerWeightsOp {
 
 impl TypedOp for IntegerWeightsOp {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        let mut shape: Vec<TDim> = inputs[0].shape.iter().cloned().collect();
-        if let Some(last) = shape.last_mut() {
-            *last = self.0.n.to_dim();
-        }
+        let shape = matmul_output_fact(inputs[0], self.0.n).shape;
         Ok(tvec!(TypedFact::dt_shape(i32::datum_type(), shape)))
     }
     as_op!();
@@ -172,7 +169,7 @@ impl EvalOp for IntegerWeightsOp {
         let a = &inputs[0];
         let b = &inputs[1];
         let label = &op.label;
-        if a.len() % k != 0 || b.len() != k * n {
+        if !a.len().is_multiple_of(k) || b.len() != k * n {
             bail!(
                 "{label}: A has {} values (K={k}), B {} (expected {})",
                 a.len(),
