@@ -232,14 +232,35 @@ pub enum Bytes<'a> {
     U8(&'a [u8]),
 }
 
-/// `out[r, j] = sum_k a[r, k] * w[k, j]` (wrapping i32 sums), `a` `[rows, k]`, `w` `[k, n]`.
+/// `out[r, j] = sum_k a[r, k] * w[k, j]` (wrapping i32 sums), `a` `[rows, k]`, `w` `[k, n]`;
+/// under the `threads` feature the columns are split across the threads (`parallel`).
 pub fn matmul(a: &[i16], rows: usize, w: Bytes, k: usize, n: usize, out: &mut [i32]) {
-    match w {
+    let parts = super::parallel::parts_for(rows * k * n);
+    matmul_in_parts(a, rows, w, k, n, out, parts)
+}
+
+/// [`matmul`] with the output columns split in `parts` ranges (integer sums: the same values
+/// for any split).
+fn matmul_in_parts(
+    a: &[i16],
+    rows: usize,
+    w: Bytes,
+    k: usize,
+    n: usize,
+    out: &mut [i32],
+    parts: usize,
+) {
+    super::parallel::by_columns(out, rows, n, 16, parts, |cols, block| match w {
         Bytes::I8(w) => {
-            kernels::matmul::<true>(a, rows, w.as_ptr() as *const u8, w.len(), k, n, out)
+            let w = &w[cols.start..];
+            let p = w.as_ptr() as *const u8;
+            kernels::matmul::<true>(a, rows, p, w.len(), k, n, cols.len(), block)
         }
-        Bytes::U8(w) => kernels::matmul::<false>(a, rows, w.as_ptr(), w.len(), k, n, out),
-    }
+        Bytes::U8(w) => {
+            let w = &w[cols.start..];
+            kernels::matmul::<false>(a, rows, w.as_ptr(), w.len(), k, n, cols.len(), block)
+        }
+    });
 }
 
 /// The value of byte `v` of the weight, signed or not.
@@ -252,13 +273,15 @@ fn byte<const SIGNED: bool>(v: u8) -> i32 {
     }
 }
 
-/// `out[r, j] += sum over k in ks of a[r, k] * w[k, j]` for the columns `cols`.
+/// `out[r, j] += sum over k in ks of a[r, k] * w[k * stride + j]` for the columns `cols` of
+/// `out` (`[rows, n]`).
 #[allow(clippy::too_many_arguments)]
 fn portable<const SIGNED: bool>(
     a: &[i16],
     rows: usize,
     w: &[u8],
     k: usize,
+    stride: usize,
     n: usize,
     ks: std::ops::Range<usize>,
     cols: std::ops::Range<usize>,
@@ -268,7 +291,7 @@ fn portable<const SIGNED: bool>(
         let o = &mut out[r * n..(r + 1) * n];
         for kk in ks.clone() {
             let x = a[r * k + kk] as i32;
-            let row = &w[kk * n..(kk + 1) * n];
+            let row = &w[kk * stride..kk * stride + n];
             for j in cols.clone() {
                 o[j] = o[j].wrapping_add(x.wrapping_mul(byte::<SIGNED>(row[j])));
             }
@@ -278,19 +301,22 @@ fn portable<const SIGNED: bool>(
 
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 mod kernels {
-    /// The portable kernel (LLVM vectorizes its inner loop).
+    /// The portable kernel (LLVM vectorizes its inner loop): `n` columns of `w`, whose rows are
+    /// `stride` apart, into `out` (`[rows, n]`).
+    #[allow(clippy::too_many_arguments)]
     pub fn matmul<const SIGNED: bool>(
         a: &[i16],
         rows: usize,
         w: *const u8,
         len: usize,
         k: usize,
+        stride: usize,
         n: usize,
         out: &mut [i32],
     ) {
-        // SAFETY: `w` and `len` come from a slice (`super::matmul`).
+        // SAFETY: `w` and `len` come from a slice (`super::matmul_in_parts`).
         let w = unsafe { std::slice::from_raw_parts(w, len) };
-        super::portable::<SIGNED>(a, rows, w, k, n, 0..k, 0..n, out);
+        super::portable::<SIGNED>(a, rows, w, k, stride, n, 0..k, 0..n, out);
     }
 }
 
@@ -302,17 +328,20 @@ mod kernels {
     /// widened to i16 and multiplied with the pair `(a[k], a[k + 1])` by `i32x4.dot_i16x8_s`;
     /// two rows of `a` at a time share the widened weights. The columns past the last 16 and
     /// an odd last row of `w` are added by the portable kernel.
+    #[allow(clippy::too_many_arguments)]
     pub fn matmul<const SIGNED: bool>(
         a: &[i16],
         rows: usize,
         w: *const u8,
         len: usize,
         k: usize,
+        stride: usize,
         n: usize,
         out: &mut [i32],
     ) {
-        assert!(len == k * n && a.len() == rows * k && out.len() == rows * n);
-        // SAFETY: `w` and `len` come from a slice (`super::matmul`).
+        assert!(k == 0 || (n <= stride && (k - 1) * stride + n <= len));
+        assert!(a.len() == rows * k && out.len() == rows * n);
+        // SAFETY: `w` and `len` come from a slice (`super::matmul_in_parts`).
         let bytes = unsafe { std::slice::from_raw_parts(w, len) };
         let pairs_k = k / 2;
         // (a[r, 2i], a[r, 2i + 1]) as one i32 per pair: a splat gives the i16x8 multiplier.
@@ -333,11 +362,11 @@ mod kernels {
                 let mut acc = [i32x4_splat(0); 8];
                 for i in 0..pairs_k {
                     // SAFETY: rows 2i and 2i + 1 of w, columns 16 blk..16 blk + 16, are within
-                    // k * n bytes (2i + 1 < k, 16 blk + 16 <= n); v128_load is unaligned.
+                    // the asserted bytes (2i + 1 < k, 16 blk + 16 <= n); v128_load is unaligned.
                     let (lo, hi) = unsafe {
-                        let p = w.add(2 * i * n + blk * 16);
+                        let p = w.add(2 * i * stride + blk * 16);
                         let r0 = v128_load(p as *const v128);
-                        let r1 = v128_load(p.add(n) as *const v128);
+                        let r1 = v128_load(p.add(stride) as *const v128);
                         (
                             i8x16_shuffle::<0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23>(
                                 r0, r1,
@@ -401,8 +430,9 @@ mod kernels {
             r += if two { 2 } else { 1 };
         }
         // The rest: the last row of w when K is odd (every column), the columns past the blocks.
-        super::portable::<SIGNED>(a, rows, bytes, k, n, 2 * pairs_k..k, 0..blocks * 16, out);
-        super::portable::<SIGNED>(a, rows, bytes, k, n, 0..k, blocks * 16..n, out);
+        let tail_k = 2 * pairs_k..k;
+        super::portable::<SIGNED>(a, rows, bytes, k, stride, n, tail_k, 0..blocks * 16, out);
+        super::portable::<SIGNED>(a, rows, bytes, k, stride, n, 0..k, blocks * 16..n, out);
     }
 }
 
@@ -411,7 +441,8 @@ mod tests {
     use super::*;
 
     /// The kernel's sums are the exact integer products, for signed and unsigned weights, odd
-    /// K, N not a multiple of 16, one to five rows (the simd128 kernel runs in the wasm tests).
+    /// K, N not a multiple of 16, one to five rows, the columns in one to three parts (threads
+    /// under the `threads` feature; the simd128 kernel runs in the wasm tests).
     #[test]
     fn matmul_is_exact() {
         let mut s = 0x9e37_79b9_7f4a_7c15u64;
@@ -444,9 +475,14 @@ mod tests {
                     } else {
                         Bytes::U8(&w)
                     };
-                    let mut got = vec![0i32; rows * n];
-                    matmul(&a, rows, bytes, k, n, &mut got);
-                    assert_eq!(got, want, "k={k} n={n} rows={rows} signed={signed}");
+                    for parts in [1, 2, 3] {
+                        let mut got = vec![0i32; rows * n];
+                        matmul_in_parts(&a, rows, bytes, k, n, &mut got, parts);
+                        assert_eq!(
+                            got, want,
+                            "k={k} n={n} rows={rows} signed={signed} parts={parts}"
+                        );
+                    }
                 }
             }
         }

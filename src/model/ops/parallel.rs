@@ -58,14 +58,16 @@ pub fn ranges(n: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// Fills `out` (`[rows, n]`, zeroed) with `kernel(cols, block)`, where `block` is `[rows,
-/// cols.len()]` (zeroed) and receives columns `cols` of the output. The columns are split in
+/// Fills `out` (`[rows, n]`, zeroed: f32 sums, or `matmul_integer`'s int32 sums) with
+/// `kernel(cols, block)`, where `block` is `[rows, cols.len()]` (zeroed) and receives columns
+/// `cols` of the output. The columns are split in
 /// `parts` ranges (multiples of `align` columns, so that kernels grouping `align` columns
 /// compute each column the same way whatever the split) run in parallel; one part runs the
 /// kernel on `out` itself.
-pub fn by_columns<F>(out: &mut [f32], rows: usize, n: usize, align: usize, parts: usize, kernel: F)
+pub fn by_columns<T, F>(out: &mut [T], rows: usize, n: usize, align: usize, parts: usize, kernel: F)
 where
-    F: Fn(Range<usize>, &mut [f32]) + Sync,
+    T: Copy + Default + Send,
+    F: Fn(Range<usize>, &mut [T]) + Sync,
 {
     debug_assert_eq!(out.len(), rows * n);
     let ranges = ranges(n, parts, align);
@@ -87,9 +89,10 @@ pub fn parts_for(macs: usize) -> usize {
 }
 
 #[cfg(feature = "threads")]
-fn run_parts<F>(out: &mut [f32], rows: usize, n: usize, ranges: &[Range<usize>], kernel: &F)
+fn run_parts<T, F>(out: &mut [T], rows: usize, n: usize, ranges: &[Range<usize>], kernel: &F)
 where
-    F: Fn(Range<usize>, &mut [f32]) + Sync,
+    T: Copy + Default + Send,
+    F: Fn(Range<usize>, &mut [T]) + Sync,
 {
     if rows == 1 {
         // One row: each range is a contiguous piece of `out`.
@@ -112,7 +115,10 @@ where
         });
         return;
     }
-    let mut blocks: Vec<Vec<f32>> = ranges.iter().map(|c| vec![0f32; rows * c.len()]).collect();
+    let mut blocks: Vec<Vec<T>> = ranges
+        .iter()
+        .map(|c| vec![T::default(); rows * c.len()])
+        .collect();
     rayon::in_place_scope(|scope| {
         let mut parts = ranges.iter().zip(blocks.iter_mut());
         let first = parts.next();
@@ -127,7 +133,7 @@ where
 }
 
 /// Copies each block (`[rows, cols.len()]`) into its columns of `out` (`[rows, n]`).
-fn place(out: &mut [f32], n: usize, ranges: &[Range<usize>], blocks: &[Vec<f32>]) {
+fn place<T: Copy>(out: &mut [T], n: usize, ranges: &[Range<usize>], blocks: &[Vec<T>]) {
     for (cols, block) in ranges.iter().zip(blocks) {
         for (r, src) in block.chunks_exact(cols.len()).enumerate() {
             out[r * n + cols.start..r * n + cols.end].copy_from_slice(src);
@@ -137,14 +143,15 @@ fn place(out: &mut [f32], n: usize, ranges: &[Range<usize>], blocks: &[Vec<f32>]
 
 /// Without the `threads` feature the parts run one after the other (the same split, for tests).
 #[cfg(not(feature = "threads"))]
-fn run_parts<F>(out: &mut [f32], rows: usize, n: usize, ranges: &[Range<usize>], kernel: &F)
+fn run_parts<T, F>(out: &mut [T], rows: usize, n: usize, ranges: &[Range<usize>], kernel: &F)
 where
-    F: Fn(Range<usize>, &mut [f32]) + Sync,
+    T: Copy + Default + Send,
+    F: Fn(Range<usize>, &mut [T]) + Sync,
 {
-    let blocks: Vec<Vec<f32>> = ranges
+    let blocks: Vec<Vec<T>> = ranges
         .iter()
         .map(|cols| {
-            let mut block = vec![0f32; rows * cols.len()];
+            let mut block = vec![T::default(); rows * cols.len()];
             kernel(cols.clone(), &mut block);
             block
         })
