@@ -192,8 +192,15 @@ impl EvalOp for IntegerWeightsOp {
             None => vec![0],
         };
         let rows = a.len() / k;
-        // A - a_zero, in [-255, 255].
-        let shifted: Vec<i16> = as_i32(a)?.iter().map(|&v| (v - a_zero) as i16).collect();
+        // A - a_zero, in [-255, 255], straight from A's bytes.
+        let plain_a = a.try_as_plain_ram()?;
+        let shifted: Vec<i16> = if a.datum_type() == u8::datum_type() {
+            let a = plain_a.as_slice::<u8>()?;
+            a.iter().map(|&v| (v as i32 - a_zero) as i16).collect()
+        } else {
+            let a = plain_a.as_slice::<i8>()?;
+            a.iter().map(|&v| (v as i32 - a_zero) as i16).collect()
+        };
         let mut out = vec![0i32; rows * n];
         let plain = b.try_as_plain_ram()?;
         let w = if b.datum_type() == u8::datum_type() {
