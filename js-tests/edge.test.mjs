@@ -193,26 +193,33 @@ for (const [, name, startServer] of servers) {
     });
 
     test("a client that aborts mid-stream stops the generation", async () => {
-      const before = await stats(base);
       const max = 240;
-      const controller = new AbortController();
-      const r = await fetch(`${base}/v1/completions`, {
-        method: "POST",
-        body: JSON.stringify({ model: MODEL, prompt: PROMPT, max_tokens: max, temperature: 0, n: 8, stream: true }),
-        signal: controller.signal,
-      });
-      assert.equal(r.status, 200);
-      const reader = r.body.getReader();
-      const { value } = await reader.read();
-      assert.match(new TextDecoder().decode(value), /^data: /);
-      controller.abort();
-      // The server notices, and the generation ends with far fewer than n * max tokens.
+      // A generation can finish before the abort reaches it (under wrangler dev the disconnect
+      // travels through its proxy, and the tiny model makes 8 x 240 tokens in well under a
+      // second): such a try shows nothing either way, so up to three are made.
       let s;
-      const end = Date.now() + 20_000;
-      do {
-        await new Promise((res) => setTimeout(res, 50));
-        s = await stats(base);
-      } while ((s.active > 0 || s.aborted === before.aborted) && Date.now() < end);
+      let before;
+      for (let attempt = 0; attempt < 3; attempt++) {
+        before = await stats(base);
+        const controller = new AbortController();
+        const r = await fetch(`${base}/v1/completions`, {
+          method: "POST",
+          body: JSON.stringify({ model: MODEL, prompt: PROMPT, max_tokens: max, temperature: 0, n: 8, stream: true }),
+          signal: controller.signal,
+        });
+        assert.equal(r.status, 200);
+        const reader = r.body.getReader();
+        const { value } = await reader.read();
+        assert.match(new TextDecoder().decode(value), /^data: /);
+        controller.abort();
+        // The server notices, and the generation ends with far fewer than n * max tokens.
+        const end = Date.now() + 20_000;
+        do {
+          await new Promise((res) => setTimeout(res, 50));
+          s = await stats(base);
+        } while ((s.active > 0 || (s.aborted === before.aborted && s.completed === before.completed)) && Date.now() < end);
+        if (s.aborted > before.aborted) break;
+      }
       assert.equal(s.active, 0, "a generation is still running");
       assert.equal(s.aborted, before.aborted + 1, `the generation was not aborted: ${JSON.stringify(s)}`);
       assert.ok(s.last_aborted_tokens < 8 * max, `aborted after ${s.last_aborted_tokens} tokens`);
