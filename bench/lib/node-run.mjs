@@ -1,10 +1,12 @@
 // One benchmark run in its own Node process, so its peak RSS is its own:
 //   node bench/lib/node-run.mjs '<spec as JSON>'
 // prints one line `BENCH_RESULT <json>`. The spec comes from bench.mjs (see runSpec there).
-// onnx-generate loads the package in ../../pkg (or --pkg's folder) from bytes read from disk (Model.load);
+// onnx-generate loads the package in ../../pkg (or --pkg's folder) with Model.load: the ONNX graph as
+// a Blob of the file (fs.openAsBlob: streamed into the engine, as a page's fetch is), the rest as
+// bytes read from disk;
 // transformers.js runs on onnxruntime-web's wasm backend (not onnxruntime-node), with
 // `threads` wasm threads.
-import { existsSync } from "node:fs";
+import { existsSync, openAsBlob } from "node:fs";
 import { readFile } from "node:fs/promises";
 import { join } from "node:path";
 import { readWav } from "../../js-tests/wav.mjs";
@@ -30,7 +32,7 @@ async function onnxGenerate() {
     const exports = pkg.initSync({ module: await readFile(new URL(`${spec.pkg}/onnx_generate_bg.wasm`, root)) });
     wasmMemory = exports.memory;
     return pkg.Model.load({
-      model: await readFile(join(dir, spec.model.onnx)),
+      model: await openAsBlob(join(dir, spec.model.onnx)),
       external_data: await optional(`${spec.model.onnx}.data`),
       encoder: spec.speech ? await readFile(join(dir, spec.speech.encoder)) : undefined,
       encoder_external_data: spec.speech ? await optional(`${spec.speech.encoder}.data`) : undefined,

@@ -25,6 +25,12 @@ use seq2seq::{Seq2Seq, Seq2SeqGraphs};
 use signature::Signature;
 use tract_decoder::TractDecoder;
 
+/// The decoder graph as `load_owned` takes it out of the files.
+enum Graph {
+    Bytes(Vec<u8>),
+    Decoded(tract_onnx::pb::ModelProto),
+}
+
 /// The compiled graphs of a model.
 #[derive(Debug)]
 enum Engine {
@@ -65,13 +71,16 @@ impl Model {
     /// data) as soon as they are decoded: the peak memory of loading holds one copy of the
     /// weights less than `load`.
     pub fn load_owned(mut files: ModelFiles) -> Result<Model> {
-        let graph = std::mem::take(&mut files.model);
+        let graph = match files.model_proto.take() {
+            Some(proto) => Graph::Decoded(proto),
+            None => Graph::Bytes(std::mem::take(&mut files.model)),
+        };
         let external = files.external_data.take();
         Self::load_from(&files, Some((graph, external)))
     }
 
-    /// `owned`: the decoder graph's bytes and external data, taken out of `files`.
-    fn load_from(files: &ModelFiles, owned: Option<(Vec<u8>, Option<Vec<u8>>)>) -> Result<Model> {
+    /// `owned`: the decoder graph and its external data, taken out of `files`.
+    fn load_from(files: &ModelFiles, owned: Option<(Graph, Option<Vec<u8>>)>) -> Result<Model> {
         let config: serde_json::Value = serde_json::from_slice(&files.config)
             .map_err(|e| Error::Model(format!("config.json is not valid JSON: {e}")))?;
         if !config.is_object() {
@@ -84,14 +93,24 @@ impl Model {
         let tokenizer = Tokenizer::from_bytes(&files.tokenizer)?;
         let proto = match owned {
             // Dropped at the end of this arm, before tract reads the graph.
-            Some((graph, external)) => {
+            Some((Graph::Bytes(graph), external)) => {
                 onnx::decode(&graph, external.as_deref(), &files.model_name)?
             }
-            None => onnx::decode(
-                &files.model,
-                files.external_data.as_deref(),
-                &files.model_name,
-            )?,
+            Some((Graph::Decoded(proto), external)) => {
+                onnx::prepare(proto, external.as_deref(), &files.model_name)?
+            }
+            None => match &files.model_proto {
+                Some(proto) => onnx::prepare(
+                    proto.clone(),
+                    files.external_data.as_deref(),
+                    &files.model_name,
+                )?,
+                None => onnx::decode(
+                    &files.model,
+                    files.external_data.as_deref(),
+                    &files.model_name,
+                )?,
+            },
         };
         let signature = Arc::new(Signature::read(&proto, &config)?);
         let vocab = logits_width(&signature, &config)?;

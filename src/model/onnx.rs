@@ -10,13 +10,22 @@ const EXTERNAL: i32 = 1;
 
 /// Decode an ONNX file and resolve its external data (`model.onnx.data`) from `external`.
 pub fn decode(bytes: &[u8], external: Option<&[u8]>, file_name: &str) -> Result<pb::ModelProto> {
-    if bytes.is_empty() {
-        return Err(Error::Model(format!("{file_name} is empty")));
-    }
-    // Straight from the bytes: tract's `proto_model_for_read` copies them into a buffer of its
-    // own first, which adds a third copy of the weights to the peak of loading.
-    let mut proto = <pb::ModelProto as prost::Message>::decode(bytes)
-        .map_err(|e| Error::Model(format!("{file_name} is not a valid ONNX file: {e}")))?;
+    prepare(decode_bare(bytes, file_name)?, external, file_name)
+}
+
+/// Decode an ONNX file's protobuf (what `prepare` takes).
+pub fn decode_bare(bytes: &[u8], file_name: &str) -> Result<pb::ModelProto> {
+    let mut decoder = StreamDecoder::new(file_name);
+    decoder.feed(bytes)?;
+    decoder.finish()
+}
+
+/// What follows the decoding of an ONNX file: checks, external data, the weight rewrites.
+pub fn prepare(
+    mut proto: pb::ModelProto,
+    external: Option<&[u8]>,
+    file_name: &str,
+) -> Result<pb::ModelProto> {
     let graph = proto
         .graph
         .as_mut()
@@ -27,6 +36,261 @@ pub fn decode(bytes: &[u8], external: Option<&[u8]>, file_name: &str) -> Result<
     inline_external_data(graph, external, file_name)?;
     super::weights::rewrite(&mut proto)?;
     Ok(proto)
+}
+
+/// Decodes an ONNX file as its bytes arrive (`feed`, chunk by chunk), so that the whole file
+/// is never held: the `raw_data` of the graph's large initializers is copied straight into
+/// its own buffer (the tensor's, once decoded), and the rest of the protobuf (nodes, small
+/// initializers, inputs) is collected and decoded with `prost` when its message ends. Decoding
+/// from the whole file's bytes (prost alone) would hold the bytes and the decoded weights at
+/// once.
+pub struct StreamDecoder {
+    file_name: String,
+    /// Bytes consumed so far.
+    pos: u64,
+    /// The start of a field header cut by the end of a chunk.
+    carry: Vec<u8>,
+    /// The messages open at `pos`: the model, then maybe its graph, then maybe a large
+    /// initializer of the graph.
+    levels: Vec<Level>,
+    /// The field whose payload is being copied: into the innermost level's `raw` (true) or
+    /// `rest`, and how many bytes remain.
+    copying: Option<(bool, u64)>,
+    /// Initializers of at least this many bytes are decoded apart.
+    large: u64,
+}
+
+#[derive(PartialEq)]
+enum Kind {
+    Model,
+    Graph,
+    Tensor,
+}
+
+struct Level {
+    kind: Kind,
+    /// Where the message ends (the model: at the end of the file).
+    end: Option<u64>,
+    /// The message's other fields, as they were in the file.
+    rest: Vec<u8>,
+    /// Graph: its large initializers, decoded. Tensor: its `raw_data`.
+    tensors: Vec<pb::TensorProto>,
+    raw: Option<Vec<u8>>,
+    /// Model: its graph, decoded.
+    graph: Option<pb::GraphProto>,
+}
+
+impl Level {
+    fn new(kind: Kind, end: Option<u64>) -> Level {
+        Level {
+            kind,
+            end,
+            rest: Vec::new(),
+            tensors: Vec::new(),
+            raw: None,
+            graph: None,
+        }
+    }
+}
+
+/// `ModelProto.graph`, `GraphProto.initializer`, `TensorProto.raw_data`.
+const MODEL_GRAPH: u64 = 7;
+const GRAPH_INITIALIZER: u64 = 5;
+const TENSOR_RAW_DATA: u64 = 9;
+/// The longest field header: a tag and a length, ten bytes each at most.
+const MAX_HEADER: usize = 20;
+
+/// A field's header: its number, wire type, the payload length that follows it, and the
+/// header's length in bytes.
+struct Header {
+    field: u64,
+    wire_type: u8,
+    payload: u64,
+    len: usize,
+}
+
+/// A varint at the start of `b` and its length; `None` when `b` ends inside it.
+fn varint(b: &[u8]) -> std::result::Result<Option<(u64, usize)>, &'static str> {
+    let mut v = 0u64;
+    for (i, &byte) in b.iter().enumerate().take(10) {
+        v |= ((byte & 0x7f) as u64) << (7 * i);
+        if byte < 0x80 {
+            return Ok(Some((v, i + 1)));
+        }
+    }
+    if b.len() >= 10 {
+        Err("a varint longer than ten bytes")
+    } else {
+        Ok(None)
+    }
+}
+
+fn header(b: &[u8]) -> std::result::Result<Option<Header>, &'static str> {
+    let Some((tag, a)) = varint(b)? else {
+        return Ok(None);
+    };
+    let (field, wire_type) = (tag >> 3, (tag & 7) as u8);
+    if field == 0 {
+        return Err("a field numbered 0");
+    }
+    let (payload, len) = match wire_type {
+        // A varint value: kept in the header.
+        0 => match varint(&b[a..])? {
+            Some((_, n)) => (0, a + n),
+            None => return Ok(None),
+        },
+        1 => (8, a),
+        2 => match varint(&b[a..])? {
+            Some((l, n)) => (l, a + n),
+            None => return Ok(None),
+        },
+        5 => (4, a),
+        _ => return Err("an unsupported wire type (groups)"),
+    };
+    Ok(Some(Header {
+        field,
+        wire_type,
+        payload,
+        len,
+    }))
+}
+
+impl StreamDecoder {
+    pub fn new(file_name: &str) -> StreamDecoder {
+        StreamDecoder {
+            file_name: file_name.to_owned(),
+            pos: 0,
+            carry: Vec::new(),
+            levels: vec![Level::new(Kind::Model, None)],
+            copying: None,
+            large: super::ops::LARGE_INITIALIZER as u64,
+        }
+    }
+
+    fn invalid(&self, what: impl std::fmt::Display) -> Error {
+        Error::Model(format!(
+            "{} is not a valid ONNX file: {what} (at byte {})",
+            self.file_name, self.pos
+        ))
+    }
+
+    /// The next bytes of the file.
+    pub fn feed(&mut self, mut data: &[u8]) -> Result<()> {
+        loop {
+            if let Some((raw, left)) = self.copying {
+                let n = left.min(data.len() as u64) as usize;
+                let level = self.levels.last_mut().expect("the model level stays open");
+                let into = match (raw, level.raw.as_mut()) {
+                    (true, Some(r)) => r,
+                    _ => &mut level.rest,
+                };
+                into.extend_from_slice(&data[..n]);
+                data = &data[n..];
+                self.pos += n as u64;
+                if left > n as u64 {
+                    self.copying = Some((raw, left - n as u64));
+                    return Ok(());
+                }
+                self.copying = None;
+            }
+            while self.levels.last().and_then(|l| l.end) == Some(self.pos) {
+                self.close()?;
+            }
+            if data.is_empty() {
+                return Ok(());
+            }
+            // A field header, maybe begun in the previous chunk.
+            let mut buf = [0u8; MAX_HEADER];
+            let carried = self.carry.len();
+            let taken = (MAX_HEADER - carried).min(data.len());
+            buf[..carried].copy_from_slice(&self.carry);
+            buf[carried..carried + taken].copy_from_slice(&data[..taken]);
+            let Some(h) = header(&buf[..carried + taken]).map_err(|e| self.invalid(e))? else {
+                self.carry.extend_from_slice(&data[..taken]);
+                return Ok(());
+            };
+            self.carry.clear();
+            data = &data[h.len - carried..];
+            self.pos += h.len as u64;
+            let end = self.pos.checked_add(h.payload);
+            let level = self.levels.last_mut().expect("the model level stays open");
+            if end.is_none() || level.end.is_some_and(|e| end > Some(e)) {
+                return Err(self.invalid("a field runs past the end of its message"));
+            }
+            let length_delimited = h.wire_type == 2;
+            match (&level.kind, h.field) {
+                (Kind::Model, MODEL_GRAPH) if length_delimited => {
+                    self.levels.push(Level::new(Kind::Graph, end));
+                }
+                (Kind::Graph, GRAPH_INITIALIZER)
+                    if length_delimited && h.payload >= self.large =>
+                {
+                    self.levels.push(Level::new(Kind::Tensor, end));
+                }
+                (Kind::Tensor, TENSOR_RAW_DATA) if length_delimited => {
+                    let mut raw = Vec::new();
+                    if raw.try_reserve_exact(h.payload as usize).is_err() {
+                        return Err(self.invalid(format!(
+                            "a tensor of {} bytes does not fit in memory",
+                            h.payload
+                        )));
+                    }
+                    level.raw = Some(raw);
+                    self.copying = Some((true, h.payload));
+                }
+                _ => {
+                    level.rest.extend_from_slice(&buf[..h.len]);
+                    self.copying = Some((false, h.payload));
+                }
+            }
+        }
+    }
+
+    /// The innermost message ended: decode it into its parent.
+    fn close(&mut self) -> Result<()> {
+        let level = self.levels.pop().expect("the model level has no end");
+        let parent = self.levels.last_mut().expect("graphs and tensors have parents");
+        let bad = |e: prost::DecodeError| e.to_string();
+        match level.kind {
+            Kind::Tensor => {
+                let mut t = <pb::TensorProto as prost::Message>::decode(&level.rest[..]);
+                if let Ok(t) = t.as_mut() {
+                    if let Some(raw) = level.raw {
+                        t.raw_data = raw;
+                    }
+                }
+                match t {
+                    Ok(t) => parent.tensors.push(t),
+                    Err(e) => return Err(self.invalid(bad(e))),
+                }
+            }
+            Kind::Graph => match <pb::GraphProto as prost::Message>::decode(&level.rest[..]) {
+                Ok(mut g) if parent.graph.is_none() => {
+                    g.initializer.extend(level.tensors);
+                    parent.graph = Some(g);
+                }
+                Ok(_) => return Err(self.invalid("two graphs")),
+                Err(e) => return Err(self.invalid(bad(e))),
+            },
+            Kind::Model => unreachable!("the model level is closed by finish"),
+        }
+        Ok(())
+    }
+
+    /// The whole file was fed: the decoded protobuf.
+    pub fn finish(mut self) -> Result<pb::ModelProto> {
+        if self.pos == 0 && self.carry.is_empty() {
+            return Err(Error::Model(format!("{} is empty", self.file_name)));
+        }
+        if !self.carry.is_empty() || self.copying.is_some() || self.levels.len() != 1 {
+            return Err(self.invalid("the file ends inside a field (truncated?)"));
+        }
+        let model = self.levels.pop().expect("the model level");
+        let mut proto = <pb::ModelProto as prost::Message>::decode(&model.rest[..])
+            .map_err(|e| self.invalid(e))?;
+        proto.graph = model.graph;
+        Ok(proto)
+    }
 }
 
 fn inline_external_data(
@@ -160,4 +424,67 @@ pub fn specialize_bool_input(proto: &mut pb::ModelProto, name: &str, value: bool
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> Vec<u8> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/models")
+            .join(name);
+        std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    fn sorted(mut p: pb::ModelProto) -> pb::ModelProto {
+        if let Some(g) = p.graph.as_mut() {
+            g.initializer.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        p
+    }
+
+    /// Fed in chunks of any size (1 byte: every header cut), with initializers decoded apart
+    /// from 1 KiB, the stream decoder gives prost's protobuf (initializers in another order).
+    #[test]
+    fn stream_decoding_is_prost_decoding() {
+        for name in ["gpt2/model.onnx", "gpt2-merged/decoder_model_merged.onnx"] {
+            let bytes = fixture(name);
+            let expected = sorted(<pb::ModelProto as prost::Message>::decode(&bytes[..]).unwrap());
+            let apart = expected
+                .graph
+                .as_ref()
+                .unwrap()
+                .initializer
+                .iter()
+                .filter(|t| t.raw_data.len() >= 1024)
+                .count();
+            assert!(apart > 3, "{name}: {apart} large initializers");
+            for chunk in [1, 7, 4096, bytes.len()] {
+                let mut d = StreamDecoder::new(name);
+                d.large = 1024;
+                for c in bytes.chunks(chunk) {
+                    d.feed(c).unwrap();
+                }
+                assert_eq!(sorted(d.finish().unwrap()), expected, "{name}, chunks of {chunk}");
+            }
+        }
+    }
+
+    #[test]
+    fn truncated_and_garbage_files_are_errors() {
+        let bytes = fixture("gpt2/model.onnx");
+        // (A cut between two fields of the model, after byte 2 for one, is a valid protobuf.)
+        for cut in [1, 100, bytes.len() / 2, bytes.len() - 1] {
+            let mut d = StreamDecoder::new("model.onnx");
+            d.large = 1024;
+            let e = d.feed(&bytes[..cut]).and_then(|_| d.finish().map(|_| ()));
+            let e = e.expect_err("a truncated file").to_string();
+            assert!(e.contains("model.onnx is not a valid ONNX file"), "{cut}: {e}");
+        }
+        let e = decode_bare(b"{\"not\": \"onnx\"}", "x.onnx").unwrap_err().to_string();
+        assert!(e.contains("x.onnx is not a valid ONNX file"), "{e}");
+        let e = decode_bare(b"", "x.onnx").unwrap_err().to_string();
+        assert!(e.contains("x.onnx is empty"), "{e}");
+    }
 }

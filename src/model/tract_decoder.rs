@@ -100,22 +100,20 @@ impl TractDecoder {
             let mut with_cache = proto;
             specialize_bool_input(&mut with_cache, "use_cache_branch", true)?;
             logits_of_last_positions(&mut with_cache, &sig.logits_name);
-            let template = parse_graph(&with_cache, &sig)?;
-            drop(with_cache);
+            let template = parse_graph_owned(with_cache, &sig)?;
             let first = match no_cache {
                 Some(mut no_cache) => {
                     specialize_bool_input(&mut no_cache, "use_cache_branch", false)?;
                     logits_of_last_positions(&mut no_cache, &sig.logits_name);
-                    Some(parse_graph(&no_cache, &sig)?)
+                    Some(parse_graph_owned(no_cache, &sig)?)
                 }
                 None => None,
             };
             (template, first)
         } else {
             logits_of_last_positions(&mut proto, &sig.logits_name);
-            let template = parse_graph(&proto, &sig)?;
-            // Freed before the plan is compiled (which adds tract's packed weights).
-            drop(proto);
+            // Freed before the plan is compiled.
+            let template = parse_graph_owned(proto, &sig)?;
             (template, None)
         };
         let decoder = TractDecoder(Arc::new(Inner {
@@ -287,17 +285,81 @@ fn logits_of_last_positions(proto: &mut pb::ModelProto, logits: &str) {
     });
 }
 
-/// Read the graph into tract and declare its inputs (symbolic sequence and past lengths).
+/// Read the graph into tract (the caller declares its inputs: symbolic sequence and past
+/// lengths).
 pub(crate) fn parse_graph(proto: &pb::ModelProto, sig: &Signature) -> Result<InferenceModel> {
+    parse_graph_with(proto, sig, Vec::new())
+}
+
+/// [`parse_graph`] of a graph the caller hands over: its large initializers become tract
+/// tensors one at a time, each initializer's bytes freed before the next is converted. tract's
+/// parser converts every initializer while the protobuf still holds them all, which holds the
+/// weights twice.
+pub(crate) fn parse_graph_owned(mut proto: pb::ModelProto, sig: &Signature) -> Result<InferenceModel> {
+    let Some(graph) = proto.graph.as_mut() else {
+        return parse_graph(&proto, sig);
+    };
+    let (large, small): (Vec<_>, Vec<_>) = std::mem::take(&mut graph.initializer)
+        .into_iter()
+        .partition(|t| t.raw_data.len() >= super::ops::LARGE_INITIALIZER);
+    graph.initializer = small;
+    let onnx = super::ops::onnx();
+    let mut tensors = Vec::with_capacity(large.len());
+    for t in large {
+        let info = super::ops::InitializerInfo::of(&t);
+        let tensor = tract_onnx::tensor::load_tensor(&*onnx.provider, &t, None).map_err(|e| {
+            Error::Model(format!("initializer `{}`: {e}", t.name))
+        })?;
+        drop(t);
+        tensors.push((info, tensor.into_arc_tensor()));
+    }
+    parse_graph_with(&proto, sig, tensors)
+}
+
+/// Parse with `apart` (large initializers taken out of the protobuf, as tensors): tract sees
+/// each one as an unresolved input, our op parsers read its type and shape from
+/// `ops::initializer`, and each becomes a constant again after the parse.
+fn parse_graph_with(
+    proto: &pb::ModelProto,
+    sig: &Signature,
+    apart: Vec<(super::ops::InitializerInfo, Arc<Tensor>)>,
+) -> Result<InferenceModel> {
     let onnx = super::ops::onnx()
         .with_ignore_output_shapes(true)
         .with_ignore_value_info(true);
-    onnx.model_for_proto_model(proto).map_err(|e| {
+    let infos = apart.iter().map(|(i, _)| i.clone()).collect();
+    let parsed = super::ops::with_initializers_apart(infos, || onnx.parse(proto, None));
+    let cannot_read = |e: TractError| {
         Error::Model(format!(
             "tract cannot read the graph: {}",
             unsupported_hint(&e, sig)
         ))
-    })
+    };
+    let tract_onnx::model::ParseResult {
+        mut model,
+        unresolved_inputs,
+        ..
+    } = parsed.map_err(cannot_read)?;
+    let mut tensors: HashMap<String, Arc<Tensor>> =
+        apart.into_iter().map(|(i, t)| (i.name, t)).collect();
+    for name in unresolved_inputs {
+        let Some(tensor) = tensors.remove(&name) else {
+            return Err(Error::Model(format!(
+                "tract cannot read the graph: a node reads `{name}`, which is no input, \
+                 initializer or node output"
+            )));
+        };
+        let id = model
+            .node_by_name(&name)
+            .map_err(cannot_read)?
+            .id;
+        let fact = TypedFact::try_from(tensor.clone()).map_err(backend)?;
+        let node = model.node_mut(id);
+        node.op = Box::new(tract_onnx::tract_hir::ops::konst::Const::new(tensor).map_err(backend)?);
+        node.outputs[0].fact = fact.into();
+        model.inputs.retain(|o| o.node != id);
+    }
+    Ok(model)
 }
 
 /// `embed_width`: the width of `inputs_embeds`, for a decoder that reads them.

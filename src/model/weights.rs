@@ -25,11 +25,10 @@ const FLOAT16: i32 = pb::tensor_proto::DataType::Float16 as i32;
 /// The op type of the rewritten `MatMul`s (registered in `ops/mod.rs`).
 pub const MATMUL_WEIGHTS: &str = "MatMulWeights";
 
-/// Whether every f32 `MatMul` with an initializer `B` goes to `MatMulWeights` too (one copy
-/// of the weights, but tract's packed kernels are faster, on prompts and in wasm on decode:
-/// SmolLM2 fp32 decoded at 0.6x tract's speed with them on one thread in Chromium, and split
-/// over two threads (`threads` feature) still slower than tract on one; README, "Threads").
-const ALL_F32_MATMULS: bool = false;
+/// Whether every f32 `MatMul` with an initializer `B` goes to `MatMulWeights` too, its `B`
+/// transposed to `[N, K]` in the protobuf (one copy of the weights instead of tract's template
+/// and packed copy).
+const ALL_F32_MATMULS: bool = true;
 
 /// Whether the graph computes in float16 (its inputs, outputs or initializers are float16).
 pub fn is_f16_graph(graph: &pb::GraphProto) -> bool {
@@ -79,14 +78,39 @@ pub fn rewrite(proto: &mut pb::ModelProto) -> Result<()> {
         })
         .map(|n| (n.output[0].clone(), n.input[0].clone()))
         .collect();
+    // How many node inputs read each value (an f32 matrix is transposed in place only when one
+    // MatMul alone reads it).
+    let mut readers: HashMap<&str, usize> = HashMap::new();
+    for input in graph.node.iter().flat_map(|n| &n.input) {
+        *readers.entry(input.as_str()).or_default() += 1;
+    }
+    let f32_only_b: HashSet<String> = graph
+        .node
+        .iter()
+        .filter(|n| n.op_type == "MatMul" && n.domain.is_empty() && n.input.len() == 2)
+        .map(|n| &n.input[1])
+        .filter(|b| readers.get(b.as_str()) == Some(&1) && !graph.output.iter().any(|o| &o.name == *b))
+        .filter(|b| {
+            graph
+                .initializer
+                .iter()
+                .any(|t| &t.name == *b && t.data_type == FLOAT && t.dims.len() == 2 && !t.raw_data.is_empty())
+        })
+        .cloned()
+        .collect();
+    drop(readers);
+    let mut transpose_f32: HashSet<String> = HashSet::new();
     let mut kept_f16: HashSet<String> = HashSet::new();
     let mut nodes = Vec::with_capacity(graph.node.len());
     for mut node in std::mem::take(&mut graph.node) {
         let b = node.input.get(1).cloned().unwrap_or_default();
         if node.op_type == "MatMul" && node.domain.is_empty() && node.input.len() == 2 {
-            let direct = f16_matrices.contains(&b) || (ALL_F32_MATMULS && matrices.contains(&b));
-            let weight = if direct {
+            let f32_b = ALL_F32_MATMULS && f32_only_b.contains(&b);
+            let weight = if f16_matrices.contains(&b) {
                 Some((b.clone(), false))
+            } else if f32_b {
+                transpose_f32.insert(b.clone());
+                Some((b.clone(), true))
             } else {
                 transposed.get(&b).map(|m| (m.clone(), true))
             };
@@ -130,6 +154,11 @@ pub fn rewrite(proto: &mut pb::ModelProto) -> Result<()> {
             && !read.contains(&n.output[0]);
         !unread_transpose
     });
+    for t in graph.initializer.iter_mut() {
+        if transpose_f32.contains(&t.name) {
+            transpose_f32_matrix(t)?;
+        }
+    }
     if !f16 {
         return Ok(());
     }
@@ -208,6 +237,39 @@ pub fn f16_bits(t: &pb::TensorProto) -> Result<Vec<u16>> {
     } else {
         Ok(t.int32_data.iter().map(|&v| v as u16).collect())
     }
+}
+
+/// A float32 `[K, N]` matrix (`raw_data`) as `[N, K]`.
+fn transpose_f32_matrix(t: &mut pb::TensorProto) -> Result<()> {
+    let (k, n) = match t.dims.as_slice() {
+        &[k, n] if k >= 0 && n >= 0 => (k as usize, n as usize),
+        dims => {
+            return Err(Error::Model(format!(
+                "tensor `{}`: expected a matrix, has dims {dims:?}",
+                t.name
+            )))
+        }
+    };
+    if t.raw_data.len() != k * n * 4 {
+        return Err(Error::Model(format!(
+            "float tensor `{}` of dims {:?} has {} bytes; expected {}",
+            t.name,
+            t.dims,
+            t.raw_data.len(),
+            k * n * 4
+        )));
+    }
+    let src = std::mem::take(&mut t.raw_data);
+    let mut dst = vec![0u8; src.len()];
+    for (i, row) in src.chunks_exact(n * 4).enumerate() {
+        for (j, v) in row.chunks_exact(4).enumerate() {
+            let at = (j * k + i) * 4;
+            dst[at..at + 4].copy_from_slice(v);
+        }
+    }
+    t.raw_data = dst;
+    t.dims = vec![n as i64, k as i64];
+    Ok(())
 }
 
 fn tensor_to_f32(t: &mut pb::TensorProto) -> Result<()> {

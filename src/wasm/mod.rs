@@ -20,7 +20,9 @@ use wasm_bindgen_futures::{future_to_promise, JsFuture};
 use crate::chat::ChatTemplate;
 use crate::error::Error;
 use crate::generate::{Generation, Output, Sequence, TokenEvent};
+use crate::model::onnx::{self, StreamDecoder};
 use crate::model::{Model, ModelFiles};
+use tract_onnx::pb;
 
 /// The threads build (`threads` feature): `initThreadPool(n)` starts `n` workers sharing the
 /// module's memory; call it once after `init()`, before loading a model.
@@ -108,28 +110,60 @@ pub struct JsModel {
 
 /// The files whose bodies `js/helpers.js` streams into wasm memory chunk by chunk (Responses and
 /// URLs): no JavaScript copy of a whole file is made, so a model fetched from a URL is held once
-/// (here) until it is decoded, not also in the JavaScript heap.
+/// (here) until it is decoded, not also in the JavaScript heap. The decoder graph (`model`) is
+/// decoded as it arrives (`onnx::StreamDecoder`): its bytes are never held whole.
 struct Received {
-    files: Rc<RefCell<HashMap<String, Vec<u8>>>>,
+    files: Rc<RefCell<HashMap<String, Incoming>>>,
     /// `sink(file, chunk, total)` for `js/helpers.js`; alive while the files are read.
     sink: Closure<dyn FnMut(String, Uint8Array, JsValue)>,
 }
 
+/// A file as it arrives.
+enum Incoming {
+    Bytes(Vec<u8>),
+    /// The first error stays, reported when the file is taken.
+    Onnx(Box<StreamDecoder>, Result<(), Error>),
+}
+
+/// The file decoded as it streams in.
+const STREAMED_GRAPH: &str = "model";
+
+/// How much of a file given as bytes is copied into wasm memory at a time for the decoder.
+const FEED_CHUNK: u32 = 1 << 20;
+
+fn feed(decoder: &mut StreamDecoder, status: &mut Result<(), Error>, chunk: &Uint8Array, staging: &mut Vec<u8>) {
+    if status.is_err() {
+        return;
+    }
+    staging.resize(chunk.length() as usize, 0);
+    chunk.copy_to(staging);
+    *status = decoder.feed(staging);
+}
+
 impl Received {
     fn new() -> Received {
-        let files: Rc<RefCell<HashMap<String, Vec<u8>>>> = Rc::default();
+        let files: Rc<RefCell<HashMap<String, Incoming>>> = Rc::default();
         let into = files.clone();
+        let mut staging = Vec::new();
         let sink = Closure::new(move |file: String, chunk: Uint8Array, total: JsValue| {
             let mut files = into.borrow_mut();
-            let bytes = files.entry(file).or_insert_with(|| {
+            let incoming = files.entry(file.clone()).or_insert_with(|| {
+                if file == STREAMED_GRAPH {
+                    return Incoming::Onnx(Box::new(StreamDecoder::new(&file)), Ok(()));
+                }
                 // The announced length, so the buffer is not regrown (each regrowth would hold
                 // the old and the new buffer at once).
                 let total = total.as_f64().filter(|t| *t > 0.0).unwrap_or(0.0);
-                Vec::with_capacity(total as usize)
+                Incoming::Bytes(Vec::with_capacity(total as usize))
             });
-            let at = bytes.len();
-            bytes.resize(at + chunk.length() as usize, 0);
-            chunk.copy_to(&mut bytes[at..]);
+            match incoming {
+                Incoming::Bytes(bytes) => {
+                    let at = bytes.len();
+                    bytes.resize(at + chunk.length() as usize, 0);
+                    chunk.copy_to(&mut bytes[at..]);
+                }
+                Incoming::Onnx(decoder, status) => feed(decoder, status, &chunk, &mut staging),
+            }
         });
         Received { files, sink }
     }
@@ -143,7 +177,37 @@ impl Received {
         let v = get(read, name);
         match v.dyn_ref::<Uint8Array>() {
             Some(bytes) => Some(bytes.to_vec()),
-            None => self.files.borrow_mut().remove(name),
+            None => match self.files.borrow_mut().remove(name) {
+                Some(Incoming::Bytes(bytes)) => Some(bytes),
+                _ => None,
+            },
+        }
+    }
+
+    /// The decoder graph, decoded: streamed here, or given as bytes (fed to the decoder a
+    /// slice at a time, so wasm memory never holds the whole file either).
+    fn take_graph(&self, read: &JsValue, name: &str) -> Result<Option<pb::ModelProto>, Error> {
+        let v = get(read, name);
+        if let Some(bytes) = v.dyn_ref::<Uint8Array>() {
+            let mut decoder = StreamDecoder::new(name);
+            let mut status = Ok(());
+            let mut staging = Vec::new();
+            let mut at = 0;
+            while at < bytes.length() && status.is_ok() {
+                let end = bytes.length().min(at + FEED_CHUNK);
+                feed(&mut decoder, &mut status, &bytes.subarray(at, end), &mut staging);
+                at = end;
+            }
+            status?;
+            return decoder.finish().map(Some);
+        }
+        match self.files.borrow_mut().remove(name) {
+            Some(Incoming::Onnx(decoder, status)) => {
+                status?;
+                decoder.finish().map(Some)
+            }
+            Some(Incoming::Bytes(bytes)) => onnx::decode_bare(&bytes, name).map(Some),
+            None => Ok(None),
         }
     }
 }
@@ -185,7 +249,14 @@ fn model_from_bytes(bytes: &JsValue, received: &Received) -> Result<JsModel, JsV
         model_name: get(bytes, "model_name")
             .as_string()
             .unwrap_or_else(|| "model.onnx".into()),
-        model: required("model")?,
+        model_proto: Some(
+            received
+                .take_graph(bytes, STREAMED_GRAPH)
+                .map_err(js_error)?
+                .ok_or_else(|| {
+                    js_error(Error::Model("the model file `model` is missing".into()))
+                })?,
+        ),
         external_data: file("external_data"),
         config: required("config")?,
         generation_config: file("generation_config"),

@@ -31,6 +31,12 @@ pub fn dot4x2(x0: &[f32], x1: &[f32], w: &[f32]) -> [[f32; 4]; 2] {
     dot4_rows::<2>([x0, x1], w)
 }
 
+/// [`dot4`] for four rows at once (sixteen accumulators: `MatMulWeights` takes a prompt's rows
+/// four at a time).
+pub fn dot4x4(x: [&[f32]; 4], w: &[f32]) -> [[f32; 4]; 4] {
+    dot4_rows::<4>(x, w)
+}
+
 /// Four lanes of partial sums per row and column, summed in lane order at the end, then the
 /// tail; written for LLVM to vectorize (one f32x4 accumulator per row and column).
 #[inline(always)]

@@ -57,12 +57,12 @@ pub fn matmul_integer(
 /// The op, when `B` is an 8-bit 2-D initializer and its zero point (if any) one too, a scalar or
 /// one per column.
 fn parse(ctx: &ParsingContext, node: &NodeProto) -> Option<IntegerWeights> {
-    let eight_bits = |t: &tract_onnx::pb::TensorProto| {
+    let eight_bits = |t: &super::InitializerInfo| {
         t.data_type == DataType::Int8 as i32 || t.data_type == DataType::Uint8 as i32
     };
     let b = initializer(ctx, node.input.get(1)?)?;
     let (k, n) = match b.dims.as_slice() {
-        &[k, n] if k > 0 && n > 0 && eight_bits(b) => (k as usize, n as usize),
+        &[k, n] if k > 0 && n > 0 && eight_bits(&b) => (k as usize, n as usize),
         _ => return None,
     };
     let b_zero = input_slot(node, 3);

@@ -16,7 +16,7 @@ use tract_onnx::prelude::f16;
 use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
-    axpy_rows, axpy_rows_f16, dot, dot4, f16_is_special, f16_to_f32_slice, matvec_f16_nk,
+    axpy_rows, axpy_rows_f16, dot, dot4, dot4x2, dot4x4, f16_is_special, f16_to_f32_slice, matvec_f16_nk,
 };
 use super::{initializer_dims, matmul_output_fact, node_label};
 
@@ -245,21 +245,52 @@ fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, cols: Range<usize>, block: 
         return;
     }
     let width = cols.len();
-    let mut panel = vec![0f32; COLS * k];
+    let mut buffer = match w {
+        W::F32(_) => vec![],
+        W::F16(_) => vec![0f32; COLS * k],
+    };
     for first in cols.clone().step_by(COLS) {
         let count = COLS.min(cols.end - first);
-        w.to_f32(first * k..(first + count) * k, &mut panel[..count * k]);
+        let range = first * k..(first + count) * k;
+        let panel: &[f32] = match w {
+            W::F32(w) => &w[range],
+            W::F16(_) => {
+                w.to_f32(range, &mut buffer[..count * k]);
+                &buffer[..count * k]
+            }
+        };
         let at = first - cols.start;
-        for r in 0..rows {
+        let mut r = 0;
+        while r < rows {
             let xr = &x[r * k..(r + 1) * k];
+            let row = |i: usize| &x[i * k..(i + 1) * k];
+            if count == COLS && r + 3 < rows {
+                // Four rows at a time: each weight loaded once for all four (`dot4x4`).
+                let sums = dot4x4([xr, row(r + 1), row(r + 2), row(r + 3)], panel);
+                for (i, sums) in sums.iter().enumerate() {
+                    let at = (r + i) * width + at;
+                    block[at..at + COLS].copy_from_slice(sums);
+                }
+                r += 4;
+                continue;
+            }
+            if count == COLS && r + 1 < rows {
+                // Two rows at a time: each weight loaded once for both (`dot4x2`).
+                let [o0, o1] = dot4x2(xr, &x[(r + 1) * k..(r + 2) * k], panel);
+                block[r * width + at..r * width + at + COLS].copy_from_slice(&o0);
+                block[(r + 1) * width + at..(r + 1) * width + at + COLS].copy_from_slice(&o1);
+                r += 2;
+                continue;
+            }
             let o = &mut block[r * width + at..r * width + at + count];
             if count == COLS {
-                o.copy_from_slice(&dot4(xr, &panel));
+                o.copy_from_slice(&dot4(xr, panel));
             } else {
                 for (c, o) in o.iter_mut().enumerate() {
                     *o = dot(xr, &panel[c * k..(c + 1) * k]);
                 }
             }
+            r += 1;
         }
     }
 }

@@ -78,24 +78,65 @@ pub(crate) fn has_output(node: &NodeProto, index: usize) -> bool {
     node.output.get(index).is_some_and(|s| !s.is_empty())
 }
 
+/// Initializers of at least this many bytes are handed to tract apart from the protobuf
+/// (`tract_decoder::parse_graph_owned`).
+pub(crate) const LARGE_INITIALIZER: usize = 1 << 16;
+
+/// What our op parsers read of an initializer: its type and shape.
+#[derive(Debug, Clone)]
+pub(crate) struct InitializerInfo {
+    pub name: String,
+    pub data_type: i32,
+    pub dims: Vec<i64>,
+}
+
+impl InitializerInfo {
+    pub fn of(t: &tract_onnx::pb::TensorProto) -> InitializerInfo {
+        InitializerInfo {
+            name: t.name.clone(),
+            data_type: t.data_type,
+            dims: t.dims.clone(),
+        }
+    }
+}
+
+thread_local! {
+    /// The initializers taken out of the protobuf being parsed (`with_initializers_apart`).
+    static APART: std::cell::RefCell<Vec<InitializerInfo>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Run `parse` with `apart` visible to [`initializer`] as initializers of the graph.
+pub(crate) fn with_initializers_apart<T>(apart: Vec<InitializerInfo>, parse: impl FnOnce() -> T) -> T {
+    let before = APART.with(|a| a.replace(apart));
+    let out = parse();
+    APART.with(|a| a.replace(before));
+    out
+}
+
 /// The dims of an initializer of the model, when `name` is one.
 pub(crate) fn initializer_dims(
     ctx: &tract_onnx::model::ParsingContext,
     name: &str,
 ) -> Option<Vec<i64>> {
-    initializer(ctx, name).map(|t| t.dims.clone())
+    initializer(ctx, name).map(|t| t.dims)
 }
 
-/// The initializer `name` of the model or of a graph around it, when there is one.
-pub(crate) fn initializer<'a>(
-    ctx: &'a tract_onnx::model::ParsingContext,
+/// The initializer `name` of the model or of a graph around it, when there is one (in the
+/// protobuf, or taken out of it for the parse).
+pub(crate) fn initializer(
+    ctx: &tract_onnx::model::ParsingContext,
     name: &str,
-) -> Option<&'a tract_onnx::pb::TensorProto> {
-    ctx.model
+) -> Option<InitializerInfo> {
+    let in_proto = ctx
+        .model
         .graph
         .iter()
         .chain(ctx.parent_graphs.iter().copied())
-        .find_map(|g| g.initializer.iter().find(|t| t.name == name))
+        .find_map(|g| g.initializer.iter().find(|t| t.name == name));
+    match in_proto {
+        Some(t) => Some(InitializerInfo::of(t)),
+        None => APART.with(|a| a.borrow().iter().find(|i| i.name == name).cloned()),
+    }
 }
 
 /// Runs a case of `tests/fixtures/ops` (made by `scripts/op_references.py` with onnxruntime)
