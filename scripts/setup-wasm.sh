@@ -47,7 +47,7 @@ if ! command -v node >/dev/null 2>&1; then
 fi
 
 if [ ! -d node_modules/typescript ] || [ ! -d node_modules/playwright-core ] ||
-  [ ! -d node_modules/deno ] || [ ! -d node_modules/wrangler ] ||
+  [ ! -d node_modules/deno ] || [ ! -d node_modules/wrangler ] || [ ! -d node_modules/binaryen ] ||
   [ package-lock.json -nt node_modules/.package-lock.json ]; then
   npm ci --no-audit --no-fund
 fi

@@ -14,7 +14,8 @@
 #      target/e2e/demo.png; then the threads package (pkg-threads/, scripts/build-wasm.sh
 #      --threads: nightly with build-std, cold the first time) in Chromium: initThreadPool(2) and
 #      the golden ids with every matmul split across the threads (js-tests/threads.mjs); then the
-#      small package (pkg-small/, scripts/build-wasm.sh --small): under 3 MiB gzipped, and the
+#      small package (pkg-small/, scripts/build-wasm.sh --small): at most 3 MB (3,000,000 bytes)
+#      gzipped, and the
 #      package API tests on it;
 #   7. the edge examples (js-tests/edge.test.mjs): the Cloudflare Worker under `wrangler dev` and
 #      the Deno server on 127.0.0.1, over HTTP (golden tokens, streaming, abort, bad requests),
@@ -99,13 +100,14 @@ fi
 node js-tests/threads.mjs
 
 # The small package (pkg-small/: dependencies optimised for size): the package API tests again,
-# and its gzipped wasm must stay under 3 MiB.
+# and its gzipped wasm must stay within 3 MB (issue 9's goal, a Worker's compressed-size limit
+# on the free plan).
 if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f pkg-small/onnx_generate_bg.wasm ]; then
   sh scripts/build-wasm.sh --small
 fi
 small_gz=$(gzip -9 -c pkg-small/onnx_generate_bg.wasm | wc -c)
-if [ "$small_gz" -gt 3145728 ]; then
-  echo "test-wasm: pkg-small's wasm is $small_gz bytes gzipped, over 3 MiB" >&2
+if [ "$small_gz" -gt 3000000 ]; then
+  echo "test-wasm: pkg-small's wasm is $small_gz bytes gzipped, over 3 MB (3,000,000 bytes)" >&2
   exit 1
 fi
 ONNX_GENERATE_PKG="$root/pkg-small" node --test js-tests/api.test.mjs
