@@ -15,9 +15,9 @@ pub struct ModelFiles {
     /// File name of the ONNX graph, for messages.
     pub model_name: String,
     pub model: Vec<u8>,
-    /// The graph's protobuf, already decoded (`onnx::StreamDecoder`, as the file streamed in;
+    /// The graph, already decoded (`onnx::StreamDecoder`, as the file streamed in;
     /// `onnx::prepare` not applied yet): used instead of `model`, which is then empty.
-    pub model_proto: Option<tract_onnx::pb::ModelProto>,
+    pub model_proto: Option<super::onnx::Decoded>,
     /// `model.onnx.data`, when the graph keeps its weights outside.
     pub external_data: Option<Vec<u8>>,
     pub config: Vec<u8>,

@@ -20,6 +20,7 @@ use crate::vision::encoder::VisionEncoder;
 use crate::vision::{PromptInputs, RopeConfig, RowInputs, VisionConfig};
 use embeddings::Embedder;
 pub use files::{DecoderLayout, ModelFiles};
+use onnx::{Apart, Decoded};
 pub use seq2seq::{Encoded, EncoderInput};
 use seq2seq::{Seq2Seq, Seq2SeqGraphs};
 use signature::Signature;
@@ -28,7 +29,7 @@ use tract_decoder::TractDecoder;
 /// The decoder graph as `load_owned` takes it out of the files.
 enum Graph {
     Bytes(Vec<u8>),
-    Decoded(tract_onnx::pb::ModelProto),
+    Decoded(Box<Decoded>),
 }
 
 /// The compiled graphs of a model.
@@ -72,7 +73,7 @@ impl Model {
     /// weights less than `load`.
     pub fn load_owned(mut files: ModelFiles) -> Result<Model> {
         let graph = match files.model_proto.take() {
-            Some(proto) => Graph::Decoded(proto),
+            Some(decoded) => Graph::Decoded(Box::new(decoded)),
             None => Graph::Bytes(std::mem::take(&mut files.model)),
         };
         let external = files.external_data.take();
@@ -91,28 +92,34 @@ impl Model {
             None => GenerationConfig::from_model_json(&files.config)?,
         };
         let tokenizer = Tokenizer::from_bytes(&files.tokenizer)?;
-        let proto = match owned {
+        let inline = |proto| Decoded {
+            proto,
+            apart: Apart::new(),
+        };
+        let decoded = match owned {
             // Dropped at the end of this arm, before tract reads the graph.
-            Some((Graph::Bytes(graph), external)) => {
-                onnx::decode(&graph, external.as_deref(), &files.model_name)?
-            }
-            Some((Graph::Decoded(proto), external)) => {
-                onnx::prepare(proto, external.as_deref(), &files.model_name)?
+            Some((Graph::Bytes(graph), external)) => inline(onnx::decode(
+                &graph,
+                external.as_deref(),
+                &files.model_name,
+            )?),
+            Some((Graph::Decoded(decoded), external)) => {
+                onnx::prepare(*decoded, external.as_deref(), &files.model_name)?
             }
             None => match &files.model_proto {
-                Some(proto) => onnx::prepare(
-                    proto.clone(),
+                Some(decoded) => onnx::prepare(
+                    decoded.clone(),
                     files.external_data.as_deref(),
                     &files.model_name,
                 )?,
-                None => onnx::decode(
+                None => inline(onnx::decode(
                     &files.model,
                     files.external_data.as_deref(),
                     &files.model_name,
-                )?,
+                )?),
             },
         };
-        let signature = Arc::new(Signature::read(&proto, &config)?);
+        let signature = Arc::new(Signature::read(&decoded.proto, &config)?);
         let vocab = logits_width(&signature, &config)?;
         if tokenizer.vocab_size() > vocab {
             return Err(Error::Model(format!(
@@ -144,6 +151,7 @@ impl Model {
                         onnx::decode(b, data, "decoder_model.onnx")
                     })
                     .transpose()?;
+                let proto = decoded.into_inline();
                 let graphs = Seq2SeqGraphs {
                     encoder: &encoder,
                     decoder: &proto,
@@ -163,7 +171,12 @@ impl Model {
                     }
                     _ => None,
                 };
-                Engine::Decoder(TractDecoder::new(proto, signature.clone(), vocab, embed)?)
+                Engine::Decoder(TractDecoder::new_decoded(
+                    decoded,
+                    signature.clone(),
+                    vocab,
+                    embed,
+                )?)
             }
         };
         let vision = match &engine {

@@ -1,7 +1,10 @@
 //! ONNX protobuf handling before tract sees a graph: decoding bytes, resolving external data
 //! from bytes (a browser has no file system), and fixing graph inputs to constants.
 
+use std::collections::HashMap;
+
 use tract_onnx::pb;
+use tract_onnx::prelude::{DatumType, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -10,22 +13,109 @@ const EXTERNAL: i32 = 1;
 
 /// Decode an ONNX file and resolve its external data (`model.onnx.data`) from `external`.
 pub fn decode(bytes: &[u8], external: Option<&[u8]>, file_name: &str) -> Result<pb::ModelProto> {
-    prepare(decode_bare(bytes, file_name)?, external, file_name)
+    let decoded = Decoded {
+        proto: decode_bare(bytes, file_name)?,
+        apart: Apart::new(),
+    };
+    Ok(prepare(decoded, external, file_name)?.proto)
 }
 
-/// Decode an ONNX file's protobuf (what `prepare` takes).
+/// Decode an ONNX file's protobuf, every initializer's data in it.
 pub fn decode_bare(bytes: &[u8], file_name: &str) -> Result<pb::ModelProto> {
     let mut decoder = StreamDecoder::new(file_name);
     decoder.feed(bytes)?;
-    decoder.finish()
+    Ok(decoder.finish()?.proto)
+}
+
+/// The data of large initializers kept apart from the protobuf, by name: tract tensors of
+/// bytes (`u8`, one axis, aligned for any type) that become the weights' tensors in place
+/// (`into_typed`).
+pub type Apart = HashMap<String, Tensor>;
+
+/// A decoded ONNX file: the protobuf, and the data of the initializers in `apart` (their
+/// `TensorProto`s keep name, type and shape, and no data).
+#[derive(Debug, Clone)]
+pub struct Decoded {
+    pub proto: pb::ModelProto,
+    pub apart: Apart,
+}
+
+impl Decoded {
+    /// The protobuf with every initializer's data in it (for the graphs that read it there).
+    pub fn into_inline(self) -> pb::ModelProto {
+        let Decoded {
+            mut proto,
+            mut apart,
+        } = self;
+        if let Some(g) = proto.graph.as_mut() {
+            for t in g.initializer.iter_mut() {
+                if let Some(bytes) = apart.remove(&t.name) {
+                    t.raw_data = bytes.as_bytes().to_vec();
+                }
+            }
+        }
+        proto
+    }
+}
+
+/// The byte tensor `bytes` of initializer `t` as the tensor `t` describes (its type and shape),
+/// in place.
+pub fn into_typed(t: &pb::TensorProto, mut bytes: Tensor) -> Result<Tensor> {
+    let bad = |why: String| Error::Model(format!("initializer `{}`: {why}", t.name));
+    let dt: DatumType = pb::tensor_proto::DataType::try_from(t.data_type)
+        .ok()
+        .and_then(|d| d.try_into().ok())
+        .filter(|dt: &DatumType| dt.is_number())
+        .ok_or_else(|| bad(format!("data type {} cannot be kept apart", t.data_type)))?;
+    let shape = t
+        .dims
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| bad(format!("negative dimension {d}"))))
+        .collect::<Result<Vec<usize>>>()?;
+    let size = shape
+        .iter()
+        .try_fold(dt.size_of(), |a, &d| a.checked_mul(d));
+    if size != Some(bytes.len()) {
+        return Err(bad(format!(
+            "{} bytes of data for dims {:?} of {dt:?}",
+            bytes.len(),
+            t.dims
+        )));
+    }
+    // SAFETY: a plain byte buffer aligned for any type (`apart_buffer`), as long as the shape
+    // says and of a numeric type, every bit pattern of which is a value.
+    unsafe {
+        bytes.set_datum_type(dt);
+        bytes.set_shape_unchecked(&shape);
+    }
+    Ok(bytes)
+}
+
+/// An uninitialized byte tensor of `len` bytes, aligned like tract's own tensors; `None` when
+/// the memory cannot be had.
+fn apart_buffer(len: usize) -> Option<Tensor> {
+    // A failed allocation inside tract would abort: ask for the memory first.
+    let mut probe: Vec<u8> = Vec::new();
+    probe.try_reserve_exact(len).ok()?;
+    drop(probe);
+    // SAFETY: every byte is written by the decoder before the tensor is read (a file that
+    // ends first is an error, and the tensor is dropped).
+    unsafe {
+        Tensor::uninitialized_aligned_dt(
+            DatumType::U8,
+            &[len],
+            tract_onnx::tract_core::internal::vector_size().max(16),
+        )
+        .ok()
+    }
 }
 
 /// What follows the decoding of an ONNX file: checks, external data, the weight rewrites.
-pub fn prepare(
-    mut proto: pb::ModelProto,
-    external: Option<&[u8]>,
-    file_name: &str,
-) -> Result<pb::ModelProto> {
+pub fn prepare(decoded: Decoded, external: Option<&[u8]>, file_name: &str) -> Result<Decoded> {
+    let Decoded {
+        mut proto,
+        mut apart,
+    } = decoded;
     let graph = proto
         .graph
         .as_mut()
@@ -34,8 +124,8 @@ pub fn prepare(
         return Err(Error::Model(format!("{file_name} contains an empty graph")));
     }
     inline_external_data(graph, external, file_name)?;
-    super::weights::rewrite(&mut proto)?;
-    Ok(proto)
+    super::weights::rewrite(&mut proto, &mut apart)?;
+    Ok(Decoded { proto, apart })
 }
 
 /// Decodes an ONNX file as its bytes arrive (`feed`, chunk by chunk), so that the whole file
@@ -58,6 +148,8 @@ pub struct StreamDecoder {
     copying: Option<(bool, u64)>,
     /// Initializers of at least this many bytes are decoded apart.
     large: u64,
+    /// Their data, when kept apart from the protobuf (`new_apart`).
+    apart: Option<Apart>,
 }
 
 #[derive(PartialEq)]
@@ -75,7 +167,7 @@ struct Level {
     rest: Vec<u8>,
     /// Graph: its large initializers, decoded. Tensor: its `raw_data`.
     tensors: Vec<pb::TensorProto>,
-    raw: Option<Vec<u8>>,
+    raw: Option<Raw>,
     /// Model: its graph, decoded.
     graph: Option<pb::GraphProto>,
 }
@@ -91,6 +183,13 @@ impl Level {
             graph: None,
         }
     }
+}
+
+/// Where a large initializer's `raw_data` goes: its own buffer, or a tensor kept apart (with
+/// how much of it is filled).
+enum Raw {
+    Bytes(Vec<u8>),
+    Apart(Tensor, usize),
 }
 
 /// `ModelProto.graph`, `GraphProto.initializer`, `TensorProto.raw_data`.
@@ -164,6 +263,16 @@ impl StreamDecoder {
             levels: vec![Level::new(Kind::Model, None)],
             copying: None,
             large: super::ops::LARGE_INITIALIZER as u64,
+            apart: None,
+        }
+    }
+
+    /// A decoder that keeps the large initializers' data apart from the protobuf, each in the
+    /// buffer that becomes its tensor (`Decoded::apart`): nothing is copied after the read.
+    pub fn new_apart(file_name: &str) -> StreamDecoder {
+        StreamDecoder {
+            apart: Some(Apart::new()),
+            ..StreamDecoder::new(file_name)
         }
     }
 
@@ -174,17 +283,27 @@ impl StreamDecoder {
         ))
     }
 
+    /// Initializers of at least `bytes` bytes are decoded apart (tests: the fixtures' are small).
+    #[cfg(test)]
+    pub(crate) fn with_large(mut self, bytes: u64) -> StreamDecoder {
+        self.large = bytes;
+        self
+    }
+
     /// The next bytes of the file.
     pub fn feed(&mut self, mut data: &[u8]) -> Result<()> {
         loop {
             if let Some((raw, left)) = self.copying {
                 let n = left.min(data.len() as u64) as usize;
                 let level = self.levels.last_mut().expect("the model level stays open");
-                let into = match (raw, level.raw.as_mut()) {
-                    (true, Some(r)) => r,
-                    _ => &mut level.rest,
-                };
-                into.extend_from_slice(&data[..n]);
+                match (raw, level.raw.as_mut()) {
+                    (true, Some(Raw::Bytes(r))) => r.extend_from_slice(&data[..n]),
+                    (true, Some(Raw::Apart(t, filled))) => {
+                        t.as_bytes_mut()[*filled..*filled + n].copy_from_slice(&data[..n]);
+                        *filled += n;
+                    }
+                    _ => level.rest.extend_from_slice(&data[..n]),
+                }
                 data = &data[n..];
                 self.pos += n as u64;
                 if left > n as u64 {
@@ -222,19 +341,22 @@ impl StreamDecoder {
                 (Kind::Model, MODEL_GRAPH) if length_delimited => {
                     self.levels.push(Level::new(Kind::Graph, end));
                 }
-                (Kind::Graph, GRAPH_INITIALIZER)
-                    if length_delimited && h.payload >= self.large =>
-                {
+                (Kind::Graph, GRAPH_INITIALIZER) if length_delimited && h.payload >= self.large => {
                     self.levels.push(Level::new(Kind::Tensor, end));
                 }
                 (Kind::Tensor, TENSOR_RAW_DATA) if length_delimited => {
-                    let mut raw = Vec::new();
-                    if raw.try_reserve_exact(h.payload as usize).is_err() {
-                        return Err(self.invalid(format!(
-                            "a tensor of {} bytes does not fit in memory",
-                            h.payload
-                        )));
-                    }
+                    let len = h.payload as usize;
+                    let raw = if self.apart.is_some() {
+                        apart_buffer(len).map(|t| Raw::Apart(t, 0))
+                    } else {
+                        let mut raw = Vec::new();
+                        raw.try_reserve_exact(len).ok().map(|_| Raw::Bytes(raw))
+                    };
+                    let Some(raw) = raw else {
+                        return Err(
+                            self.invalid(format!("a tensor of {len} bytes does not fit in memory"))
+                        );
+                    };
                     level.raw = Some(raw);
                     self.copying = Some((true, h.payload));
                 }
@@ -249,20 +371,28 @@ impl StreamDecoder {
     /// The innermost message ended: decode it into its parent.
     fn close(&mut self) -> Result<()> {
         let level = self.levels.pop().expect("the model level has no end");
-        let parent = self.levels.last_mut().expect("graphs and tensors have parents");
+        let parent = self
+            .levels
+            .last_mut()
+            .expect("graphs and tensors have parents");
         let bad = |e: prost::DecodeError| e.to_string();
         match level.kind {
             Kind::Tensor => {
-                let mut t = <pb::TensorProto as prost::Message>::decode(&level.rest[..]);
-                if let Ok(t) = t.as_mut() {
-                    if let Some(raw) = level.raw {
-                        t.raw_data = raw;
-                    }
-                }
-                match t {
-                    Ok(t) => parent.tensors.push(t),
+                let mut t = match <pb::TensorProto as prost::Message>::decode(&level.rest[..]) {
+                    Ok(t) => t,
                     Err(e) => return Err(self.invalid(bad(e))),
+                };
+                match level.raw {
+                    Some(Raw::Bytes(raw)) => t.raw_data = raw,
+                    Some(Raw::Apart(tensor, _)) => {
+                        let apart = self.apart.as_mut().expect("apart buffers in apart mode");
+                        if apart.insert(t.name.clone(), tensor).is_some() {
+                            return Err(self.invalid(format!("two initializers `{}`", t.name)));
+                        }
+                    }
+                    None => {}
                 }
+                parent.tensors.push(t);
             }
             Kind::Graph => match <pb::GraphProto as prost::Message>::decode(&level.rest[..]) {
                 Ok(mut g) if parent.graph.is_none() => {
@@ -277,8 +407,8 @@ impl StreamDecoder {
         Ok(())
     }
 
-    /// The whole file was fed: the decoded protobuf.
-    pub fn finish(mut self) -> Result<pb::ModelProto> {
+    /// The whole file was fed: the decoded protobuf (and the data kept apart).
+    pub fn finish(mut self) -> Result<Decoded> {
         if self.pos == 0 && self.carry.is_empty() {
             return Err(Error::Model(format!("{} is empty", self.file_name)));
         }
@@ -289,7 +419,10 @@ impl StreamDecoder {
         let mut proto = <pb::ModelProto as prost::Message>::decode(&model.rest[..])
             .map_err(|e| self.invalid(e))?;
         proto.graph = model.graph;
-        Ok(proto)
+        Ok(Decoded {
+            proto,
+            apart: self.apart.take().unwrap_or_default(),
+        })
     }
 }
 
@@ -466,7 +599,11 @@ mod tests {
                 for c in bytes.chunks(chunk) {
                     d.feed(c).unwrap();
                 }
-                assert_eq!(sorted(d.finish().unwrap()), expected, "{name}, chunks of {chunk}");
+                assert_eq!(
+                    sorted(d.finish().unwrap().proto),
+                    expected,
+                    "{name}, chunks of {chunk}"
+                );
             }
         }
     }
@@ -480,9 +617,14 @@ mod tests {
             d.large = 1024;
             let e = d.feed(&bytes[..cut]).and_then(|_| d.finish().map(|_| ()));
             let e = e.expect_err("a truncated file").to_string();
-            assert!(e.contains("model.onnx is not a valid ONNX file"), "{cut}: {e}");
+            assert!(
+                e.contains("model.onnx is not a valid ONNX file"),
+                "{cut}: {e}"
+            );
         }
-        let e = decode_bare(b"{\"not\": \"onnx\"}", "x.onnx").unwrap_err().to_string();
+        let e = decode_bare(b"{\"not\": \"onnx\"}", "x.onnx")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("x.onnx is not a valid ONNX file"), "{e}");
         let e = decode_bare(b"", "x.onnx").unwrap_err().to_string();
         assert!(e.contains("x.onnx is empty"), "{e}");

@@ -11,7 +11,7 @@ use crate::cache::KvCache;
 use crate::decoder::{Decoder, DecoderState, Logits};
 use crate::error::{backend, Error, Result};
 use crate::model::embeddings::Embedder;
-use crate::model::onnx::specialize_bool_input;
+use crate::model::onnx::{into_typed, specialize_bool_input, Apart, Decoded};
 use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32};
 use crate::vision::RowInputs;
 
@@ -67,11 +67,26 @@ struct Inner {
 impl TractDecoder {
     /// `embed`: the embeddings model of a decoder that reads `inputs_embeds`.
     pub fn new(
-        mut proto: pb::ModelProto,
+        proto: pb::ModelProto,
         sig: Arc<Signature>,
         vocab: usize,
         embed: Option<Embedder>,
     ) -> Result<Self> {
+        let decoded = Decoded {
+            proto,
+            apart: Default::default(),
+        };
+        Self::new_decoded(decoded, sig, vocab, embed)
+    }
+
+    /// [`TractDecoder::new`] of a graph whose large initializers may be kept apart.
+    pub fn new_decoded(
+        decoded: Decoded,
+        sig: Arc<Signature>,
+        vocab: usize,
+        embed: Option<Embedder>,
+    ) -> Result<Self> {
+        let Decoded { mut proto, apart } = decoded;
         if !sig.takes_ids && embed.is_none() {
             return Err(Error::Model(
                 "the decoder takes `inputs_embeds`: it needs its embeddings model \
@@ -93,6 +108,9 @@ impl TractDecoder {
                     .into(),
             ));
         }
+        // The data kept apart become the tensors of the initializers, shared by both branches of
+        // a merged decoder.
+        let apart = typed_apart(&proto, apart)?;
         // A merged decoder is specialised into its branches (the `grow` mode's first step
         // takes the no-cache one); each graph is parsed, then its protobuf dropped.
         let (template, first_template) = if sig.has_use_cache_branch {
@@ -100,12 +118,12 @@ impl TractDecoder {
             let mut with_cache = proto;
             specialize_bool_input(&mut with_cache, "use_cache_branch", true)?;
             logits_of_last_positions(&mut with_cache, &sig.logits_name);
-            let template = parse_graph_owned(with_cache, &sig)?;
+            let template = parse_graph_owned(with_cache, &sig, &apart)?;
             let first = match no_cache {
                 Some(mut no_cache) => {
                     specialize_bool_input(&mut no_cache, "use_cache_branch", false)?;
                     logits_of_last_positions(&mut no_cache, &sig.logits_name);
-                    Some(parse_graph_owned(no_cache, &sig)?)
+                    Some(parse_graph_owned(no_cache, &sig, &apart)?)
                 }
                 None => None,
             };
@@ -113,7 +131,7 @@ impl TractDecoder {
         } else {
             logits_of_last_positions(&mut proto, &sig.logits_name);
             // Freed before the plan is compiled.
-            let template = parse_graph_owned(proto, &sig)?;
+            let template = parse_graph_owned(proto, &sig, &apart)?;
             (template, None)
         };
         let decoder = TractDecoder(Arc::new(Inner {
@@ -291,27 +309,55 @@ pub(crate) fn parse_graph(proto: &pb::ModelProto, sig: &Signature) -> Result<Inf
     parse_graph_with(proto, sig, Vec::new())
 }
 
+/// The tensors of the initializers whose data was kept apart (`onnx::into_typed`).
+fn typed_apart(proto: &pb::ModelProto, mut apart: Apart) -> Result<HashMap<String, Arc<Tensor>>> {
+    let mut typed = HashMap::new();
+    if apart.is_empty() {
+        return Ok(typed);
+    }
+    for t in proto.graph.iter().flat_map(|g| &g.initializer) {
+        if let Some(bytes) = apart.remove(&t.name) {
+            typed.insert(t.name.clone(), into_typed(t, bytes)?.into_arc_tensor());
+        }
+    }
+    if let Some(name) = apart.keys().next() {
+        return Err(Error::Model(format!(
+            "the data of `{name}` belongs to no initializer of the graph"
+        )));
+    }
+    Ok(typed)
+}
+
 /// [`parse_graph`] of a graph the caller hands over: its large initializers become tract
-/// tensors one at a time, each initializer's bytes freed before the next is converted. tract's
+/// tensors one at a time, each initializer's bytes freed before the next is converted (tract's
 /// parser converts every initializer while the protobuf still holds them all, which holds the
-/// weights twice.
-pub(crate) fn parse_graph_owned(mut proto: pb::ModelProto, sig: &Signature) -> Result<InferenceModel> {
+/// weights twice); those in `apart` (their data kept apart, no copy) are taken from there.
+pub(crate) fn parse_graph_owned(
+    mut proto: pb::ModelProto,
+    sig: &Signature,
+    apart: &HashMap<String, Arc<Tensor>>,
+) -> Result<InferenceModel> {
     let Some(graph) = proto.graph.as_mut() else {
         return parse_graph(&proto, sig);
     };
     let (large, small): (Vec<_>, Vec<_>) = std::mem::take(&mut graph.initializer)
         .into_iter()
-        .partition(|t| t.raw_data.len() >= super::ops::LARGE_INITIALIZER);
+        .partition(|t| {
+            t.raw_data.len() >= super::ops::LARGE_INITIALIZER || apart.contains_key(&t.name)
+        });
     graph.initializer = small;
     let onnx = super::ops::onnx();
     let mut tensors = Vec::with_capacity(large.len());
     for t in large {
         let info = super::ops::InitializerInfo::of(&t);
-        let tensor = tract_onnx::tensor::load_tensor(&*onnx.provider, &t, None).map_err(|e| {
-            Error::Model(format!("initializer `{}`: {e}", t.name))
-        })?;
+        let tensor = match apart.get(&t.name) {
+            Some(tensor) => tensor.clone(),
+            None => tract_onnx::tensor::load_tensor(&*onnx.provider, &t, None)
+                .map_err(|e| Error::Model(format!("initializer `{}`: {e}", t.name)))?
+                .into_arc_tensor(),
+        };
         drop(t);
-        tensors.push((info, tensor.into_arc_tensor()));
+        tensors.push((info, tensor));
     }
     parse_graph_with(&proto, sig, tensors)
 }
@@ -349,10 +395,7 @@ fn parse_graph_with(
                  initializer or node output"
             )));
         };
-        let id = model
-            .node_by_name(&name)
-            .map_err(cannot_read)?
-            .id;
+        let id = model.node_by_name(&name).map_err(cannot_read)?.id;
         let fact = TypedFact::try_from(tensor.clone()).map_err(backend)?;
         let node = model.node_mut(id);
         node.op = Box::new(tract_onnx::tract_hir::ops::konst::Const::new(tensor).map_err(backend)?);
@@ -898,6 +941,46 @@ mod tests {
             cache,
             broken: false,
             rows: None,
+        }
+    }
+
+    /// A graph whose large initializers were kept apart by the stream decoder (straight into
+    /// their tensors' buffers, the f32 weights transposed there) computes the same logits, bit
+    /// for bit, as the same graph decoded whole: a plain, a merged and a GQA decoder, fed in
+    /// odd-sized chunks.
+    #[test]
+    fn initializers_kept_apart_give_the_same_logits() {
+        for name in ["gpt2", "gpt2-merged", "llama"] {
+            let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/models")
+                .join(name);
+            let files = ModelFiles::from_dir(&dir, None).unwrap();
+            let config: serde_json::Value = serde_json::from_slice(&files.config).unwrap();
+            let whole = onnx::decode(&files.model, None, &files.model_name).unwrap();
+            let mut stream = onnx::StreamDecoder::new_apart(&files.model_name).with_large(1024);
+            for chunk in files.model.chunks(4093) {
+                stream.feed(chunk).unwrap();
+            }
+            let apart = onnx::prepare(stream.finish().unwrap(), None, &files.model_name).unwrap();
+            assert!(
+                apart.apart.len() > 3,
+                "{name}: {} kept apart",
+                apart.apart.len()
+            );
+            let sig = Arc::new(Signature::read(&whole, &config).unwrap());
+            let vocab = config["vocab_size"].as_u64().unwrap() as usize;
+            let logits = |d: TractDecoder| {
+                let mut state = d.start(1, 16).unwrap();
+                let first = state.step(&[&[1, 5, 9, 2]]).unwrap().data;
+                let next = state.step(&[&[7]]).unwrap().data;
+                (first, next)
+            };
+            let a = logits(TractDecoder::new(whole, sig.clone(), vocab, None).unwrap());
+            let b = logits(TractDecoder::new_decoded(apart, sig.clone(), vocab, None).unwrap());
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(!a.0.is_empty() && !a.1.is_empty(), "{name}");
+            assert_eq!(bits(&a.0), bits(&b.0), "{name}: the prompt step");
+            assert_eq!(bits(&a.1), bits(&b.1), "{name}: the next step");
         }
     }
 

@@ -18,6 +18,8 @@ use std::collections::{HashMap, HashSet};
 use tract_onnx::pb;
 
 use crate::error::{Error, Result};
+use crate::model::onnx::Apart;
+use tract_onnx::prelude::Tensor;
 
 const FLOAT: i32 = pb::tensor_proto::DataType::Float as i32;
 const FLOAT16: i32 = pb::tensor_proto::DataType::Float16 as i32;
@@ -48,7 +50,9 @@ fn value_elem_type(v: &pb::ValueInfoProto) -> Option<i32> {
 
 /// Route weight-bound `MatMul`s to `MatMulWeights`, and make a float16 graph compute in f32
 /// (see the module's documentation).
-pub fn rewrite(proto: &mut pb::ModelProto) -> Result<()> {
+///
+/// `apart`: the data of initializers kept apart from the protobuf (`onnx::Decoded`).
+pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
     let Some(graph) = proto.graph.as_mut() else {
         return Ok(());
     };
@@ -89,12 +93,14 @@ pub fn rewrite(proto: &mut pb::ModelProto) -> Result<()> {
         .iter()
         .filter(|n| n.op_type == "MatMul" && n.domain.is_empty() && n.input.len() == 2)
         .map(|n| &n.input[1])
-        .filter(|b| readers.get(b.as_str()) == Some(&1) && !graph.output.iter().any(|o| &o.name == *b))
         .filter(|b| {
-            graph
-                .initializer
-                .iter()
-                .any(|t| &t.name == *b && t.data_type == FLOAT && t.dims.len() == 2 && !t.raw_data.is_empty())
+            readers.get(b.as_str()) == Some(&1) && !graph.output.iter().any(|o| &o.name == *b)
+        })
+        .filter(|b| {
+            graph.initializer.iter().any(|t| {
+                let has_data = !t.raw_data.is_empty() || apart.contains_key(&t.name);
+                &t.name == *b && t.data_type == FLOAT && t.dims.len() == 2 && has_data
+            })
         })
         .cloned()
         .collect();
@@ -156,7 +162,7 @@ pub fn rewrite(proto: &mut pb::ModelProto) -> Result<()> {
     });
     for t in graph.initializer.iter_mut() {
         if transpose_f32.contains(&t.name) {
-            transpose_f32_matrix(t)?;
+            transpose_f32_matrix(t, apart.get_mut(&t.name))?;
         }
     }
     if !f16 {
@@ -164,6 +170,10 @@ pub fn rewrite(proto: &mut pb::ModelProto) -> Result<()> {
     }
     for t in graph.initializer.iter_mut() {
         if t.data_type == FLOAT16 && !kept_f16.contains(&t.name) {
+            // Converted in the protobuf (a new buffer either way).
+            if let Some(bytes) = apart.remove(&t.name) {
+                t.raw_data = bytes.as_bytes().to_vec();
+            }
             tensor_to_f32(t)?;
         }
     }
@@ -239,8 +249,8 @@ pub fn f16_bits(t: &pb::TensorProto) -> Result<Vec<u16>> {
     }
 }
 
-/// A float32 `[K, N]` matrix (`raw_data`) as `[N, K]`.
-fn transpose_f32_matrix(t: &mut pb::TensorProto) -> Result<()> {
+/// A float32 `[K, N]` matrix as `[N, K]`, in place: its `raw_data`, or its data kept apart.
+fn transpose_f32_matrix(t: &mut pb::TensorProto, apart: Option<&mut Tensor>) -> Result<()> {
     let (k, n) = match t.dims.as_slice() {
         &[k, n] if k >= 0 && n >= 0 => (k as usize, n as usize),
         dims => {
@@ -250,24 +260,26 @@ fn transpose_f32_matrix(t: &mut pb::TensorProto) -> Result<()> {
             )))
         }
     };
-    if t.raw_data.len() != k * n * 4 {
+    let bytes = match apart {
+        Some(tensor) => tensor.as_bytes_mut(),
+        None => &mut t.raw_data[..],
+    };
+    if bytes.len() != k * n * 4 {
         return Err(Error::Model(format!(
             "float tensor `{}` of dims {:?} has {} bytes; expected {}",
             t.name,
             t.dims,
-            t.raw_data.len(),
+            bytes.len(),
             k * n * 4
         )));
     }
-    let src = std::mem::take(&mut t.raw_data);
-    let mut dst = vec![0u8; src.len()];
+    let src = bytes.to_vec();
     for (i, row) in src.chunks_exact(n * 4).enumerate() {
         for (j, v) in row.chunks_exact(4).enumerate() {
             let at = (j * k + i) * 4;
-            dst[at..at + 4].copy_from_slice(v);
+            bytes[at..at + 4].copy_from_slice(v);
         }
     }
-    t.raw_data = dst;
     t.dims = vec![n as i64, k as i64];
     Ok(())
 }

@@ -20,9 +20,8 @@ use wasm_bindgen_futures::{future_to_promise, JsFuture};
 use crate::chat::ChatTemplate;
 use crate::error::Error;
 use crate::generate::{Generation, Output, Sequence, TokenEvent};
-use crate::model::onnx::{self, StreamDecoder};
+use crate::model::onnx::{Decoded, StreamDecoder};
 use crate::model::{Model, ModelFiles};
-use tract_onnx::pb;
 
 /// The threads build (`threads` feature): `initThreadPool(n)` starts `n` workers sharing the
 /// module's memory; call it once after `init()`, before loading a model.
@@ -111,7 +110,8 @@ pub struct JsModel {
 /// The files whose bodies `js/helpers.js` streams into wasm memory chunk by chunk (Responses and
 /// URLs): no JavaScript copy of a whole file is made, so a model fetched from a URL is held once
 /// (here) until it is decoded, not also in the JavaScript heap. The decoder graph (`model`) is
-/// decoded as it arrives (`onnx::StreamDecoder`): its bytes are never held whole.
+/// decoded as it arrives (`onnx::StreamDecoder`), its large initializers straight into the
+/// buffers of their tensors: its bytes are never held whole, and its weights once.
 struct Received {
     files: Rc<RefCell<HashMap<String, Incoming>>>,
     /// `sink(file, chunk, total)` for `js/helpers.js`; alive while the files are read.
@@ -131,7 +131,12 @@ const STREAMED_GRAPH: &str = "model";
 /// How much of a file given as bytes is copied into wasm memory at a time for the decoder.
 const FEED_CHUNK: u32 = 1 << 20;
 
-fn feed(decoder: &mut StreamDecoder, status: &mut Result<(), Error>, chunk: &Uint8Array, staging: &mut Vec<u8>) {
+fn feed(
+    decoder: &mut StreamDecoder,
+    status: &mut Result<(), Error>,
+    chunk: &Uint8Array,
+    staging: &mut Vec<u8>,
+) {
     if status.is_err() {
         return;
     }
@@ -149,7 +154,7 @@ impl Received {
             let mut files = into.borrow_mut();
             let incoming = files.entry(file.clone()).or_insert_with(|| {
                 if file == STREAMED_GRAPH {
-                    return Incoming::Onnx(Box::new(StreamDecoder::new(&file)), Ok(()));
+                    return Incoming::Onnx(Box::new(StreamDecoder::new_apart(&file)), Ok(()));
                 }
                 // The announced length, so the buffer is not regrown (each regrowth would hold
                 // the old and the new buffer at once).
@@ -186,16 +191,21 @@ impl Received {
 
     /// The decoder graph, decoded: streamed here, or given as bytes (fed to the decoder a
     /// slice at a time, so wasm memory never holds the whole file either).
-    fn take_graph(&self, read: &JsValue, name: &str) -> Result<Option<pb::ModelProto>, Error> {
+    fn take_graph(&self, read: &JsValue, name: &str) -> Result<Option<Decoded>, Error> {
         let v = get(read, name);
         if let Some(bytes) = v.dyn_ref::<Uint8Array>() {
-            let mut decoder = StreamDecoder::new(name);
+            let mut decoder = StreamDecoder::new_apart(name);
             let mut status = Ok(());
             let mut staging = Vec::new();
             let mut at = 0;
             while at < bytes.length() && status.is_ok() {
                 let end = bytes.length().min(at + FEED_CHUNK);
-                feed(&mut decoder, &mut status, &bytes.subarray(at, end), &mut staging);
+                feed(
+                    &mut decoder,
+                    &mut status,
+                    &bytes.subarray(at, end),
+                    &mut staging,
+                );
                 at = end;
             }
             status?;
@@ -206,7 +216,11 @@ impl Received {
                 status?;
                 decoder.finish().map(Some)
             }
-            Some(Incoming::Bytes(bytes)) => onnx::decode_bare(&bytes, name).map(Some),
+            Some(Incoming::Bytes(bytes)) => {
+                let mut decoder = StreamDecoder::new_apart(name);
+                decoder.feed(&bytes)?;
+                decoder.finish().map(Some)
+            }
             None => Ok(None),
         }
     }

@@ -106,7 +106,10 @@ thread_local! {
 }
 
 /// Run `parse` with `apart` visible to [`initializer`] as initializers of the graph.
-pub(crate) fn with_initializers_apart<T>(apart: Vec<InitializerInfo>, parse: impl FnOnce() -> T) -> T {
+pub(crate) fn with_initializers_apart<T>(
+    apart: Vec<InitializerInfo>,
+    parse: impl FnOnce() -> T,
+) -> T {
     let before = APART.with(|a| a.replace(apart));
     let out = parse();
     APART.with(|a| a.replace(before));
