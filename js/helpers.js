@@ -85,6 +85,22 @@ async function readStream(stream, total, file, onProgress, sink) {
   return bytes;
 }
 
+/** Bytes of a Blob read per slice by `readBlobSlices`. */
+const BLOB_SLICE = 8 << 20;
+
+/** A Blob handed to `sink` slice by slice, as `readStream` hands a body's chunks. */
+async function readBlobSlices(blob, file, onProgress, sink) {
+  const total = blob.size;
+  report(onProgress, file, 0, total);
+  if (total === 0) sink(file, new Uint8Array(0), 0);
+  for (let at = 0; at < total; at += BLOB_SLICE) {
+    const end = Math.min(total, at + BLOB_SLICE);
+    sink(file, new Uint8Array(await blob.slice(at, end).arrayBuffer()), total);
+    report(onProgress, file, end, total);
+  }
+  return STREAMED;
+}
+
 /** One file from bytes, a Blob/File, a Response, a URL or a URL string. */
 async function readSource(source, file, onProgress, sink) {
   if (source instanceof Uint8Array) {
@@ -100,9 +116,11 @@ async function readSource(source, file, onProgress, sink) {
     return bytes;
   }
   if (typeof Blob !== "undefined" && source instanceof Blob) {
-    // A Blob (a File, or Node's `fs.openAsBlob`) is streamed into wasm memory with `sink`.
-    if (sink && typeof source.stream === "function") {
-      return readStream(source.stream(), source.size || null, file, onProgress, sink);
+    // A Blob (a File, or Node's `fs.openAsBlob`) goes into wasm memory with `sink`, a slice at
+    // a time (larger than a stream's chunks: Node's 64 KiB chunks made a 540 MB load 0.7 s
+    // slower than reading the whole file).
+    if (sink && typeof source.slice === "function") {
+      return readBlobSlices(source, file, onProgress, sink);
     }
     report(onProgress, file, 0, source.size);
     const bytes = new Uint8Array(await source.arrayBuffer());
