@@ -82,13 +82,13 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         })
         .map(|n| (n.output[0].clone(), n.input[0].clone()))
         .collect();
-    // How many node inputs read each value (an f32 matrix is transposed in place only when one
+    // How many node inputs read each value (a matrix is transposed in place only when one
     // MatMul alone reads it).
     let mut readers: HashMap<&str, usize> = HashMap::new();
     for input in graph.node.iter().flat_map(|n| &n.input) {
         *readers.entry(input.as_str()).or_default() += 1;
     }
-    let f32_only_b: HashSet<String> = graph
+    let only_b: HashSet<String> = graph
         .node
         .iter()
         .filter(|n| n.op_type == "MatMul" && n.domain.is_empty() && n.input.len() == 2)
@@ -99,24 +99,25 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         .filter(|b| {
             graph.initializer.iter().any(|t| {
                 let has_data = !t.raw_data.is_empty() || apart.contains_key(&t.name);
-                &t.name == *b && t.data_type == FLOAT && t.dims.len() == 2 && has_data
+                let float = t.data_type == FLOAT || t.data_type == FLOAT16;
+                &t.name == *b && float && t.dims.len() == 2 && has_data
             })
         })
         .cloned()
         .collect();
     drop(readers);
-    let mut transpose_f32: HashSet<String> = HashSet::new();
+    let mut transpose: HashSet<String> = HashSet::new();
     let mut kept_f16: HashSet<String> = HashSet::new();
     let mut nodes = Vec::with_capacity(graph.node.len());
     for mut node in std::mem::take(&mut graph.node) {
         let b = node.input.get(1).cloned().unwrap_or_default();
         if node.op_type == "MatMul" && node.domain.is_empty() && node.input.len() == 2 {
-            let f32_b = ALL_F32_MATMULS && f32_only_b.contains(&b);
-            let weight = if f16_matrices.contains(&b) {
-                Some((b.clone(), false))
-            } else if f32_b {
-                transpose_f32.insert(b.clone());
+            let f16 = f16_matrices.contains(&b);
+            let weight = if only_b.contains(&b) && (f16 || ALL_F32_MATMULS) {
+                transpose.insert(b.clone());
                 Some((b.clone(), true))
+            } else if f16 {
+                Some((b.clone(), false))
             } else {
                 transposed.get(&b).map(|m| (m.clone(), true))
             };
@@ -161,8 +162,8 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         !unread_transpose
     });
     for t in graph.initializer.iter_mut() {
-        if transpose_f32.contains(&t.name) {
-            transpose_f32_matrix(t, apart.get_mut(&t.name))?;
+        if transpose.contains(&t.name) {
+            transpose_matrix(t, apart.get_mut(&t.name))?;
         }
     }
     if !f16 {
@@ -249,8 +250,9 @@ pub fn f16_bits(t: &pb::TensorProto) -> Result<Vec<u16>> {
     }
 }
 
-/// A float32 `[K, N]` matrix as `[N, K]`, in place: its `raw_data`, or its data kept apart.
-fn transpose_f32_matrix(t: &mut pb::TensorProto, apart: Option<&mut Tensor>) -> Result<()> {
+/// A float32 or float16 `[K, N]` matrix as `[N, K]`, in place: its `raw_data`, or its data kept
+/// apart.
+fn transpose_matrix(t: &mut pb::TensorProto, apart: Option<&mut Tensor>) -> Result<()> {
     let (k, n) = match t.dims.as_slice() {
         &[k, n] if k >= 0 && n >= 0 => (k as usize, n as usize),
         dims => {
@@ -260,37 +262,50 @@ fn transpose_f32_matrix(t: &mut pb::TensorProto, apart: Option<&mut Tensor>) -> 
             )))
         }
     };
+    let size = if t.data_type == FLOAT16 { 2 } else { 4 };
     let bytes = match apart {
         Some(tensor) => tensor.as_bytes_mut(),
         None => &mut t.raw_data[..],
     };
-    if bytes.len() != k * n * 4 {
+    if bytes.len() != k * n * size {
         return Err(Error::Model(format!(
-            "float tensor `{}` of dims {:?} has {} bytes; expected {}",
+            "tensor `{}` of dims {:?} has {} bytes; expected {}",
             t.name,
             t.dims,
             bytes.len(),
-            k * n * 4
+            k * n * size
         )));
     }
-    let src: Vec<u32> = bytes
-        .chunks_exact(4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    if size == 2 {
+        transpose_values::<2>(bytes, k, n);
+    } else {
+        transpose_values::<4>(bytes, k, n);
+    }
+    t.dims = vec![n as i64, k as i64];
+    Ok(())
+}
+
+/// `bytes`, a `[k, n]` matrix of `S`-byte values, as `[n, k]`.
+fn transpose_values<const S: usize>(bytes: &mut [u8], k: usize, n: usize) {
+    let src: Vec<[u8; S]> = bytes
+        .chunks_exact(S)
+        .map(|v| v.try_into().expect("chunks of S bytes"))
         .collect();
+    let mut dst = vec![[0u8; S]; src.len()];
     // In tiles of 16 x 16 values, so that reads and writes both stay within a few cache lines.
     const TILE: usize = 16;
     for i0 in (0..k).step_by(TILE) {
         for j0 in (0..n).step_by(TILE) {
             for j in j0..(j0 + TILE).min(n) {
                 for i in i0..(i0 + TILE).min(k) {
-                    let at = (j * k + i) * 4;
-                    bytes[at..at + 4].copy_from_slice(&src[i * n + j].to_le_bytes());
+                    dst[j * k + i] = src[i * n + j];
                 }
             }
         }
     }
-    t.dims = vec![n as i64, k as i64];
-    Ok(())
+    for (b, v) in bytes.chunks_exact_mut(S).zip(&dst) {
+        b.copy_from_slice(v);
+    }
 }
 
 fn tensor_to_f32(t: &mut pb::TensorProto) -> Result<()> {
