@@ -119,6 +119,8 @@ impl Model {
                 )?),
             },
         };
+        let mut decoded = decoded;
+        weights::runtime_matmuls(&mut decoded.proto);
         let signature = Arc::new(Signature::read(&decoded.proto, &config)?);
         let vocab = logits_width(&signature, &config)?;
         if tokenizer.vocab_size() > vocab {
@@ -148,7 +150,9 @@ impl Model {
                     .as_ref()
                     .map(|b| {
                         let data = files.first_decoder_external_data.as_deref();
-                        onnx::decode(b, data, "decoder_model.onnx")
+                        let mut first = onnx::decode(b, data, "decoder_model.onnx")?;
+                        weights::runtime_matmuls(&mut first);
+                        Ok(first)
                     })
                     .transpose()?;
                 let proto = decoded.into_inline();

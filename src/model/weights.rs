@@ -124,12 +124,7 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
             if let Some((matrix, is_transposed)) = weight {
                 node.op_type = MATMUL_WEIGHTS.into();
                 node.input[1] = matrix.clone();
-                node.attribute.push(pb::AttributeProto {
-                    name: "transposed".into(),
-                    r#type: pb::attribute_proto::AttributeType::Int as i32,
-                    i: is_transposed as i64,
-                    ..Default::default()
-                });
+                node.attribute.push(transposed_attribute(is_transposed));
                 kept_f16.insert(matrix);
                 nodes.push(node);
                 continue;
@@ -189,6 +184,71 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
     }
     graph.value_info.clear();
     rewrite_nodes(&mut graph.node)
+}
+
+/// The `MatMul`s of a decoder graph whose `B` is no initializer (the attention products) become
+/// `MatMulRuntime` (`ops/matmul_runtime.rs`), in subgraphs too (a merged decoder's branches).
+/// Run after `rewrite` (whose weight `MatMul`s read initializers, or the transposed tables it
+/// resolves), on decoder graphs only: an encoder's products of many rows by many columns are
+/// tract's (its packed kernels are faster there).
+///
+/// In a subgraph, a `MatMul` by the transpose of a float matrix initializer (a merged decoder's
+/// tied `lm_head`, which `rewrite` does not see in the branches) becomes `MatMulWeights`
+/// reading the matrix in place, as `rewrite` makes it at the top level.
+pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
+    /// Float matrices among the initializers in scope.
+    fn visit(graph: &mut pb::GraphProto, outer: &HashSet<String>, matrices: &HashSet<String>) {
+        let mut initializers = outer.clone();
+        initializers.extend(graph.initializer.iter().map(|t| t.name.clone()));
+        let mut matrices = matrices.clone();
+        matrices.extend(
+            graph
+                .initializer
+                .iter()
+                .filter(|t| t.dims.len() == 2 && (t.data_type == FLOAT || t.data_type == FLOAT16))
+                .map(|t| t.name.clone()),
+        );
+        // `Transpose(perm=[1, 0])` of a float matrix initializer: output -> the matrix.
+        let transposed: HashMap<String, String> = graph
+            .node
+            .iter()
+            .filter(|n| n.op_type == "Transpose" && n.input.len() == 1 && n.output.len() == 1)
+            .filter(|n| matrices.contains(&n.input[0]))
+            .filter(|n| {
+                let perm = n.attribute.iter().find(|a| a.name == "perm");
+                perm.is_none_or(|a| a.ints == [1, 0])
+            })
+            .map(|n| (n.output[0].clone(), n.input[0].clone()))
+            .collect();
+        for node in graph.node.iter_mut() {
+            let is_matmul = node.op_type == "MatMul" && node.domain.is_empty();
+            let b = node.input.get(1).cloned().unwrap_or_default();
+            if is_matmul && node.input.len() == 2 && transposed.contains_key(&b) {
+                node.op_type = MATMUL_WEIGHTS.into();
+                node.input[1] = transposed[&b].clone();
+                node.attribute.push(transposed_attribute(true));
+            } else if is_matmul && !initializers.contains(&b) {
+                node.op_type = crate::model::ops::matmul_runtime::MATMUL_RUNTIME.into();
+            }
+            for attr in node.attribute.iter_mut() {
+                if let Some(g) = attr.g.as_mut() {
+                    visit(g, &initializers, &matrices);
+                }
+            }
+        }
+    }
+    if let Some(graph) = proto.graph.as_mut() {
+        visit(graph, &HashSet::new(), &HashSet::new());
+    }
+}
+
+fn transposed_attribute(transposed: bool) -> pb::AttributeProto {
+    pb::AttributeProto {
+        name: "transposed".into(),
+        r#type: pb::attribute_proto::AttributeType::Int as i32,
+        i: transposed as i64,
+        ..Default::default()
+    }
 }
 
 /// `Cast(to=float16)` -> float, float16 constants -> f32, in subgraphs too.

@@ -14,6 +14,7 @@ pub mod group_query_attention;
 pub mod linalg;
 pub mod matmul_integer;
 pub mod matmul_nbits;
+pub mod matmul_runtime;
 pub mod matmul_weights;
 pub mod parallel;
 pub mod tract_builtins;
@@ -29,6 +30,10 @@ pub fn register(reg: &mut OnnxOpRegister) {
         group_query_attention::group_query_attention,
     );
     reg.insert("MatMulNBits", matmul_nbits::matmul_nbits);
+    reg.insert(
+        matmul_runtime::MATMUL_RUNTIME,
+        matmul_runtime::matmul_runtime,
+    );
     reg.insert(
         crate::model::weights::MATMUL_WEIGHTS,
         matmul_weights::matmul_weights,

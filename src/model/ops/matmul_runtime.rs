@@ -1,0 +1,198 @@
+//! `MatMulRuntime` (made by `model::weights::runtime_matmuls` from the `MatMul`s of a decoder
+//! graph whose `B` is computed in the graph: the attention products `Q K^T` and `P V`): `Y = A
+//! @ B` with numpy broadcasting of the batch axes, f32, each row of `A` multiplying `B` as it
+//! lies (`linalg::axpy_rows`).
+//!
+//! tract's matmul packs both operands of such a product at every step, then runs its 8x8
+//! kernel for the one row of a decoding step: in Whisper's decoder, whose cross-attention reads
+//! 1500 encoder positions per layer, packing and that kernel were 84% of a step. Other forms
+//! (an operand of rank 1, not f32) are wired as tract-onnx's `MatMul`.
+
+use tract_onnx::prelude::*;
+use tract_onnx::tract_hir::internal::*;
+use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
+
+use super::linalg::axpy_rows;
+
+/// The op type of the rewritten `MatMul`s (registered in `ops/mod.rs`).
+pub const MATMUL_RUNTIME: &str = "MatMulRuntime";
+
+pub fn matmul_runtime(
+    _ctx: &tract_onnx::model::ParsingContext,
+    node: &tract_onnx::pb::NodeProto,
+) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)> {
+    if node.input.len() != 2 || node.output.len() != 1 {
+        bail!(
+            "{}: expected two inputs and one output",
+            super::node_label(node)
+        );
+    }
+    Ok((expand(Runtime::default()), vec![]))
+}
+
+/// The expansion: tract's `MatMul` rules (and its op, for the forms not taken here).
+#[derive(Debug, Clone, Default, Hash, PartialEq, Eq)]
+pub struct Runtime(MatMulInference);
+
+impl Expansion for Runtime {
+    fn name(&self) -> StaticName {
+        MATMUL_RUNTIME.into()
+    }
+
+    fn rules<'r, 'p: 'r, 's: 'r>(
+        &'s self,
+        s: &mut Solver<'r>,
+        inputs: &'p [TensorProxy],
+        outputs: &'p [TensorProxy],
+    ) -> InferenceResult {
+        self.0.rules(s, inputs, outputs)
+    }
+
+    fn wire(
+        &self,
+        prefix: &str,
+        model: &mut TypedModel,
+        inputs: &[OutletId],
+    ) -> TractResult<TVec<OutletId>> {
+        let (a, b) = (model.outlet_fact(inputs[0])?, model.outlet_fact(inputs[1])?);
+        let f32s = a.datum_type == f32::datum_type() && b.datum_type == f32::datum_type();
+        if !f32s || a.rank() < 2 || b.rank() < 2 {
+            return self.0.wire(prefix, model, inputs);
+        }
+        model.wire_node(prefix, RuntimeOp, inputs)
+    }
+}
+
+#[derive(Debug, Clone, Default, Hash, PartialEq, Eq)]
+pub struct RuntimeOp;
+
+impl Op for RuntimeOp {
+    fn name(&self) -> StaticName {
+        MATMUL_RUNTIME.into()
+    }
+    op_as_typed_op!();
+}
+
+impl TypedOp for RuntimeOp {
+    fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
+        let (_, _, _, c) = compute_shapes(
+            inputs[0].shape.to_tvec(),
+            inputs[1].shape.to_tvec(),
+            false,
+            false,
+            false,
+        )?;
+        Ok(tvec!(f32::fact(c)))
+    }
+    as_op!();
+}
+
+impl EvalOp for RuntimeOp {
+    op_out_of_plan!();
+
+    fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
+        let (a, b) = (&inputs[0], &inputs[1]);
+        let (ashape, bshape, _, cshape) =
+            compute_shapes(a.shape().into(), b.shape().into(), false, false, false)?;
+        let rank = cshape.len();
+        let (m, k, n) = (ashape[rank - 2], ashape[rank - 1], bshape[rank - 1]);
+        let mut out = vec![0f32; cshape.iter().product()];
+        let x = a.try_as_plain_ram()?.as_slice::<f32>()?;
+        let w = b.try_as_plain_ram()?.as_slice::<f32>()?;
+        // Element strides of each batch axis in A and B (0 where the axis is broadcast).
+        let strides = |shape: &[usize], matrix: usize| {
+            let mut s = vec![0usize; rank - 2];
+            let mut at = matrix;
+            for ax in (0..rank - 2).rev() {
+                if shape[ax] != 1 {
+                    s[ax] = at;
+                }
+                at *= shape[ax];
+            }
+            s
+        };
+        let (sa, sb) = (strides(&ashape, m * k), strides(&bshape, k * n));
+        let batches: usize = cshape[..rank - 2].iter().product();
+        for (batch, c) in out
+            .chunks_exact_mut((m * n).max(1))
+            .enumerate()
+            .take(batches)
+        {
+            let (mut ia, mut ib, mut rest) = (0, 0, batch);
+            for ax in (0..rank - 2).rev() {
+                let i = rest % cshape[ax];
+                rest /= cshape[ax];
+                ia += i * sa[ax];
+                ib += i * sb[ax];
+            }
+            let wb = &w[ib..ib + k * n];
+            for (r, row) in c.chunks_exact_mut(n.max(1)).enumerate() {
+                axpy_rows(&x[ia + r * k..ia + (r + 1) * k], wb, n, row);
+            }
+        }
+        Ok(tvec!(Tensor::from_shape(&cshape, &out)?.into_tvalue()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Against tract's own matmul (EinSum) on the same operands: equal batch axes, broadcast
+    /// ones (a batch axis of 1 on either side, a lower-rank operand), one row and several.
+    #[test]
+    fn same_products_as_tracts_matmul() {
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) % 2001) as f32 / 1000.0 - 1.0
+        };
+        let cases: [(&[usize], &[usize]); 5] = [
+            (&[1, 8, 1, 64], &[1, 8, 64, 37]),
+            (&[2, 3, 5, 16], &[2, 3, 16, 7]),
+            (&[2, 1, 4, 6], &[1, 3, 6, 9]),
+            (&[3, 4, 6], &[6, 5]),
+            (&[4, 6], &[2, 6, 3]),
+        ];
+        for (ashape, bshape) in cases {
+            let len = |s: &[usize]| s.iter().product::<usize>();
+            let a: Vec<f32> = (0..len(ashape)).map(|_| next()).collect();
+            let b: Vec<f32> = (0..len(bshape)).map(|_| next()).collect();
+            let a = Tensor::from_shape(ashape, &a).unwrap();
+            let b = Tensor::from_shape(bshape, &b).unwrap();
+            let mut m = TypedModel::default();
+            let (sa, sb) = (
+                m.add_const("a", a.clone()).unwrap(),
+                m.add_const("b", b.clone()).unwrap(),
+            );
+            let o = m.wire_node("ours", RuntimeOp, &[sa, sb]).unwrap();
+            m.select_output_outlets(&o).unwrap();
+            let ours = m
+                .into_runnable()
+                .unwrap()
+                .run(tvec!())
+                .unwrap()
+                .remove(0)
+                .into_tensor();
+            let mut model = TypedModel::default();
+            let ia = model.add_const("a", a).unwrap();
+            let ib = model.add_const("b", b).unwrap();
+            let out = MatMulInference::default()
+                .wire("mm", &mut model, &[ia, ib])
+                .unwrap();
+            model.select_output_outlets(&out).unwrap();
+            let theirs = model
+                .into_runnable()
+                .unwrap()
+                .run(tvec!())
+                .unwrap()
+                .remove(0)
+                .into_tensor();
+            assert_eq!(ours.shape(), theirs.shape(), "{ashape:?} x {bshape:?}");
+            ours.close_enough(&theirs, Approximation::Approximate)
+                .unwrap_or_else(|e| panic!("{ashape:?} x {bshape:?}: {e}"));
+        }
+    }
+}
