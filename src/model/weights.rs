@@ -1,8 +1,14 @@
 //! Weight-bound `MatMul`s before tract sees a graph: the weights are read where they lie.
 //!
+//! * A `MatMul` whose `B` is a float32 or float16 matrix initializer that no other node reads
+//!   becomes a `MatMulWeights` node (`ops/matmul_weights.rs`), the matrix transposed to `[N, K]`
+//!   in place (one dot product per output when decoding; tract would keep its template's copy
+//!   and a packed copy). Read by several nodes, a float16 matrix is read as `[K, N]`.
 //! * A `MatMul` whose `B` is the `Transpose` of a rank-2 initializer (a tied `lm_head` reading
-//!   the embedding table) becomes a `MatMulWeights` node (`ops/matmul_weights.rs`) reading the
-//!   table itself: tract would otherwise keep a transposed copy and a packed copy of it.
+//!   the embedding table) becomes a `MatMulWeights` node reading the table itself: tract would
+//!   otherwise keep a transposed copy and a packed copy of it.
+//! * In decoder graphs, the `MatMul`s of runtime operands (the attention products) become
+//!   `MatMulRuntime` (`runtime_matmuls`).
 //! * float16 graphs (`model_fp16.onnx`) are computed in f32 with the large weights kept in
 //!   f16 (tract computes f16 arithmetic slowly without native f16, on x86 and in wasm, and
 //!   converting every weight to f32 would double the memory): every `MatMul` whose `B` is a
@@ -26,11 +32,6 @@ const FLOAT16: i32 = pb::tensor_proto::DataType::Float16 as i32;
 
 /// The op type of the rewritten `MatMul`s (registered in `ops/mod.rs`).
 pub const MATMUL_WEIGHTS: &str = "MatMulWeights";
-
-/// Whether every f32 `MatMul` with an initializer `B` goes to `MatMulWeights` too, its `B`
-/// transposed to `[N, K]` in the protobuf (one copy of the weights instead of tract's template
-/// and packed copy).
-const ALL_F32_MATMULS: bool = true;
 
 /// Whether the graph computes in float16 (its inputs, outputs or initializers are float16).
 pub fn is_f16_graph(graph: &pb::GraphProto) -> bool {
@@ -113,7 +114,7 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         let b = node.input.get(1).cloned().unwrap_or_default();
         if node.op_type == "MatMul" && node.domain.is_empty() && node.input.len() == 2 {
             let f16 = f16_matrices.contains(&b);
-            let weight = if only_b.contains(&b) && (f16 || ALL_F32_MATMULS) {
+            let weight = if only_b.contains(&b) {
                 transpose.insert(b.clone());
                 Some((b.clone(), true))
             } else if f16 {

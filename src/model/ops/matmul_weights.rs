@@ -1,11 +1,12 @@
 //! `MatMulWeights` (made by `model::weights` from `MatMul`s whose `B` is an initializer):
 //! `Y = A @ B` with `B` a float32 or float16 initializer `[K, N]`, or `[N, K]` with
-//! `transposed = 1` (a tied `lm_head` reading the embedding table). The weight is read where
-//! it lies, never copied, transposed or packed; f16 values are converted in registers and the
-//! sums are f32.
+//! `transposed = 1` (a weight `model::weights` transposed at load, a tied `lm_head` reading the
+//! embedding table). The weight is read where it lies, never copied or packed; f16 values are
+//! converted in registers and the sums are f32.
 //!
-//! One row of `A` (decoding) streams the weight once. Several rows (a prompt) take a panel of
-//! the weight at a time (converted to f32 for f16) and multiply it with every row. Under the
+//! One row of `A` (decoding) streams the weight once: one dot product per output for `[N, K]`.
+//! Several rows (a prompt) take a panel of the weight at a time (converted to f32 for f16) and
+//! multiply it with every row, four rows at a time for `[N, K]` (`dot4x4`). Under the
 //! `threads` feature the output columns are split across the threads (`parallel.rs`).
 
 use std::ops::Range;

@@ -10,8 +10,8 @@
 //! gives two threads of work on two cores. (For the same reason tract-linalg's rayon executor
 //! (`multithread-mm`, `RayonGlobal`), which hands each whole product to the pool and spins
 //! meanwhile, is not used: fp32 SmolLM2 decoded at 0.6x the one-thread speed with it in
-//! Chromium. tract's matmuls, the f32 weight MatMuls of fp32 graphs, stay on one thread; see
-//! `ALL_F32_MATMULS` in `model::weights` for the other alternative, also measured slower.)
+//! Chromium. tract's remaining matmuls (an encoder's products of runtime operands) stay on one
+//! thread.)
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
