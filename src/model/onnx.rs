@@ -150,6 +150,8 @@ pub struct StreamDecoder {
     large: u64,
     /// Their data, when kept apart from the protobuf (`new_apart`).
     apart: Option<Apart>,
+    /// What was wrong with the file, once something was.
+    failed: Option<String>,
 }
 
 #[derive(PartialEq)]
@@ -264,6 +266,7 @@ impl StreamDecoder {
             copying: None,
             large: super::ops::LARGE_INITIALIZER as u64,
             apart: None,
+            failed: None,
         }
     }
 
@@ -276,11 +279,33 @@ impl StreamDecoder {
         }
     }
 
-    fn invalid(&self, what: impl std::fmt::Display) -> Error {
+    /// What is wrong at the current position.
+    fn invalid(&self, what: impl std::fmt::Display) -> String {
+        format!("{what} (at byte {})", self.pos)
+    }
+
+    fn error(&self, why: &str) -> Error {
         Error::Model(format!(
-            "{} is not a valid ONNX file: {what} (at byte {})",
-            self.file_name, self.pos
+            "{} is not a valid ONNX file: {why}",
+            self.file_name
         ))
+    }
+
+    /// The file's name in messages (a streamed file's is known once its reading started).
+    pub fn set_file_name(&mut self, file_name: &str) {
+        self.file_name = file_name.to_owned();
+    }
+
+    /// The next bytes of the file. After an error every call returns it again, and so does
+    /// `finish`.
+    pub fn feed(&mut self, data: &[u8]) -> Result<()> {
+        if self.failed.is_none() {
+            self.failed = self.feed_inner(data).err();
+        }
+        match &self.failed {
+            Some(why) => Err(self.error(why)),
+            None => Ok(()),
+        }
     }
 
     /// Initializers of at least `bytes` bytes are decoded apart (tests: the fixtures' are small).
@@ -290,8 +315,7 @@ impl StreamDecoder {
         self
     }
 
-    /// The next bytes of the file.
-    pub fn feed(&mut self, mut data: &[u8]) -> Result<()> {
+    fn feed_inner(&mut self, mut data: &[u8]) -> std::result::Result<(), String> {
         loop {
             if let Some((raw, left)) = self.copying {
                 let n = left.min(data.len() as u64) as usize;
@@ -369,7 +393,7 @@ impl StreamDecoder {
     }
 
     /// The innermost message ended: decode it into its parent.
-    fn close(&mut self) -> Result<()> {
+    fn close(&mut self) -> std::result::Result<(), String> {
         let level = self.levels.pop().expect("the model level has no end");
         let parent = self
             .levels
@@ -409,15 +433,18 @@ impl StreamDecoder {
 
     /// The whole file was fed: the decoded protobuf (and the data kept apart).
     pub fn finish(mut self) -> Result<Decoded> {
+        if let Some(why) = &self.failed {
+            return Err(self.error(why));
+        }
         if self.pos == 0 && self.carry.is_empty() {
             return Err(Error::Model(format!("{} is empty", self.file_name)));
         }
         if !self.carry.is_empty() || self.copying.is_some() || self.levels.len() != 1 {
-            return Err(self.invalid("the file ends inside a field (truncated?)"));
+            return Err(self.error(&self.invalid("the file ends inside a field (truncated?)")));
         }
         let model = self.levels.pop().expect("the model level");
         let mut proto = <pb::ModelProto as prost::Message>::decode(&model.rest[..])
-            .map_err(|e| self.invalid(e))?;
+            .map_err(|e| self.error(&self.invalid(e)))?;
         proto.graph = model.graph;
         Ok(Decoded {
             proto,

@@ -121,8 +121,8 @@ struct Received {
 /// A file as it arrives.
 enum Incoming {
     Bytes(Vec<u8>),
-    /// The first error stays, reported when the file is taken.
-    Onnx(Box<StreamDecoder>, Result<(), Error>),
+    /// A decoder keeps its first error and reports it when it finishes.
+    Onnx(Box<StreamDecoder>),
 }
 
 /// The file decoded as it streams in.
@@ -131,18 +131,11 @@ const STREAMED_GRAPH: &str = "model";
 /// How much of a file given as bytes is copied into wasm memory at a time for the decoder.
 const FEED_CHUNK: u32 = 1 << 20;
 
-fn feed(
-    decoder: &mut StreamDecoder,
-    status: &mut Result<(), Error>,
-    chunk: &Uint8Array,
-    staging: &mut Vec<u8>,
-) {
-    if status.is_err() {
-        return;
-    }
+/// Feed `chunk` to the decoder through `staging` (wasm memory); an error stays in the decoder.
+fn feed(decoder: &mut StreamDecoder, chunk: &Uint8Array, staging: &mut Vec<u8>) {
     staging.resize(chunk.length() as usize, 0);
     chunk.copy_to(staging);
-    *status = decoder.feed(staging);
+    let _ = decoder.feed(staging);
 }
 
 impl Received {
@@ -154,7 +147,7 @@ impl Received {
             let mut files = into.borrow_mut();
             let incoming = files.entry(file.clone()).or_insert_with(|| {
                 if file == STREAMED_GRAPH {
-                    return Incoming::Onnx(Box::new(StreamDecoder::new_apart(&file)), Ok(()));
+                    return Incoming::Onnx(Box::new(StreamDecoder::new_apart(&file)));
                 }
                 // The announced length, so the buffer is not regrown (each regrowth would hold
                 // the old and the new buffer at once).
@@ -167,7 +160,7 @@ impl Received {
                     bytes.resize(at + chunk.length() as usize, 0);
                     chunk.copy_to(&mut bytes[at..]);
                 }
-                Incoming::Onnx(decoder, status) => feed(decoder, status, &chunk, &mut staging),
+                Incoming::Onnx(decoder) => feed(decoder, &chunk, &mut staging),
             }
         });
         Received { files, sink }
@@ -190,39 +183,37 @@ impl Received {
     }
 
     /// The decoder graph, decoded: streamed here, or given as bytes (fed to the decoder a
-    /// slice at a time, so wasm memory never holds the whole file either).
-    fn take_graph(&self, read: &JsValue, name: &str) -> Result<Option<Decoded>, Error> {
+    /// slice at a time, so wasm memory never holds the whole file either). `file_name`: for
+    /// messages.
+    fn take_graph(
+        &self,
+        read: &JsValue,
+        name: &str,
+        file_name: &str,
+    ) -> Result<Option<Decoded>, Error> {
         let v = get(read, name);
         if let Some(bytes) = v.dyn_ref::<Uint8Array>() {
-            let mut decoder = StreamDecoder::new_apart(name);
-            let mut status = Ok(());
+            let mut decoder = StreamDecoder::new_apart(file_name);
             let mut staging = Vec::new();
             let mut at = 0;
-            while at < bytes.length() && status.is_ok() {
+            while at < bytes.length() {
                 let end = bytes.length().min(at + FEED_CHUNK);
-                feed(
-                    &mut decoder,
-                    &mut status,
-                    &bytes.subarray(at, end),
-                    &mut staging,
-                );
+                feed(&mut decoder, &bytes.subarray(at, end), &mut staging);
                 at = end;
             }
-            status?;
             return decoder.finish().map(Some);
         }
-        match self.files.borrow_mut().remove(name) {
-            Some(Incoming::Onnx(decoder, status)) => {
-                status?;
-                decoder.finish().map(Some)
-            }
+        let mut decoder = match self.files.borrow_mut().remove(name) {
+            Some(Incoming::Onnx(decoder)) => decoder,
             Some(Incoming::Bytes(bytes)) => {
-                let mut decoder = StreamDecoder::new_apart(name);
+                let mut decoder = Box::new(StreamDecoder::new_apart(file_name));
                 decoder.feed(&bytes)?;
-                decoder.finish().map(Some)
+                decoder
             }
-            None => Ok(None),
-        }
+            None => return Ok(None),
+        };
+        decoder.set_file_name(file_name);
+        decoder.finish().map(Some)
     }
 }
 
@@ -259,18 +250,19 @@ fn model_from_bytes(bytes: &JsValue, received: &Received) -> Result<JsModel, JsV
         file(name)
             .ok_or_else(|| js_error(Error::Model(format!("the model file `{name}` is missing"))))
     };
+    let model_name = get(bytes, "model_name")
+        .as_string()
+        .unwrap_or_else(|| "model.onnx".into());
     let files = ModelFiles {
-        model_name: get(bytes, "model_name")
-            .as_string()
-            .unwrap_or_else(|| "model.onnx".into()),
         model_proto: Some(
             received
-                .take_graph(bytes, STREAMED_GRAPH)
+                .take_graph(bytes, STREAMED_GRAPH, &model_name)
                 .map_err(js_error)?
                 .ok_or_else(|| {
                     js_error(Error::Model("the model file `model` is missing".into()))
                 })?,
         ),
+        model_name,
         external_data: file("external_data"),
         config: required("config")?,
         generation_config: file("generation_config"),
