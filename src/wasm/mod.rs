@@ -203,14 +203,9 @@ impl Received {
             }
             return decoder.finish().map(Some);
         }
-        let mut decoder = match self.files.borrow_mut().remove(name) {
-            Some(Incoming::Onnx(decoder)) => decoder,
-            Some(Incoming::Bytes(bytes)) => {
-                let mut decoder = Box::new(StreamDecoder::new_apart(file_name));
-                decoder.feed(&bytes)?;
-                decoder
-            }
-            None => return Ok(None),
+        // The sink makes a decoder for this file's chunks (never bytes).
+        let Some(Incoming::Onnx(mut decoder)) = self.files.borrow_mut().remove(name) else {
+            return Ok(None);
         };
         decoder.set_file_name(file_name);
         decoder.finish().map(Some)
