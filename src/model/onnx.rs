@@ -58,14 +58,24 @@ impl Decoded {
     }
 }
 
-/// The byte tensor `bytes` of initializer `t` as the tensor `t` describes (its type and shape),
-/// in place.
-pub fn into_typed(t: &pb::TensorProto, mut bytes: Tensor) -> Result<Tensor> {
-    let bad = |why: String| Error::Model(format!("initializer `{}`: {why}", t.name));
-    let dt: DatumType = pb::tensor_proto::DataType::try_from(t.data_type)
+/// The tract type of an ONNX data type, when it is a number (every bit pattern a value).
+fn number_type(data_type: i32) -> Option<DatumType> {
+    pb::tensor_proto::DataType::try_from(data_type)
         .ok()
         .and_then(|d| d.try_into().ok())
         .filter(|dt: &DatumType| dt.is_number())
+}
+
+/// Whether initializers of this ONNX data type can become tensors in place (`into_typed`).
+pub fn is_number(data_type: i32) -> bool {
+    number_type(data_type).is_some()
+}
+
+/// The byte tensor `bytes` of initializer `t` as the tensor `t` describes (its type and shape),
+/// in place; `t` must be of a number type (`is_number`).
+pub fn into_typed(t: &pb::TensorProto, mut bytes: Tensor) -> Result<Tensor> {
+    let bad = |why: String| Error::Model(format!("initializer `{}`: {why}", t.name));
+    let dt = number_type(t.data_type)
         .ok_or_else(|| bad(format!("data type {} cannot be kept apart", t.data_type)))?;
     let shape = t
         .dims

@@ -11,7 +11,7 @@ use crate::cache::KvCache;
 use crate::decoder::{Decoder, DecoderState, Logits};
 use crate::error::{backend, Error, Result};
 use crate::model::embeddings::Embedder;
-use crate::model::onnx::{into_typed, specialize_bool_input, Apart, Decoded};
+use crate::model::onnx::{into_typed, is_number, specialize_bool_input, Apart, Decoded};
 use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32};
 use crate::vision::RowInputs;
 
@@ -110,7 +110,7 @@ impl TractDecoder {
         }
         // The data kept apart become the tensors of the initializers, shared by both branches of
         // a merged decoder.
-        let apart = typed_apart(&proto, apart)?;
+        let apart = typed_apart(&mut proto, apart)?;
         // A merged decoder is specialised into its branches (the `grow` mode's first step
         // takes the no-cache one); each graph is parsed, then its protobuf dropped.
         let (template, first_template) = if sig.has_use_cache_branch {
@@ -309,15 +309,27 @@ pub(crate) fn parse_graph(proto: &pb::ModelProto, sig: &Signature) -> Result<Inf
     parse_graph_with(proto, sig, Vec::new())
 }
 
-/// The tensors of the initializers whose data was kept apart (`onnx::into_typed`).
-fn typed_apart(proto: &pb::ModelProto, mut apart: Apart) -> Result<HashMap<String, Arc<Tensor>>> {
+/// The tensors of the initializers whose data was kept apart (`onnx::into_typed`); the data of
+/// a type that is not a number (a boolean mask) goes back into the protobuf, for tract to read.
+fn typed_apart(
+    proto: &mut pb::ModelProto,
+    mut apart: Apart,
+) -> Result<HashMap<String, Arc<Tensor>>> {
     let mut typed = HashMap::new();
     if apart.is_empty() {
         return Ok(typed);
     }
-    for t in proto.graph.iter().flat_map(|g| &g.initializer) {
+    for t in proto
+        .graph
+        .iter_mut()
+        .flat_map(|g| g.initializer.iter_mut())
+    {
         if let Some(bytes) = apart.remove(&t.name) {
-            typed.insert(t.name.clone(), into_typed(t, bytes)?.into_arc_tensor());
+            if is_number(t.data_type) {
+                typed.insert(t.name.clone(), into_typed(t, bytes)?.into_arc_tensor());
+            } else {
+                t.raw_data = bytes.as_bytes().to_vec();
+            }
         }
     }
     if let Some(name) = apart.keys().next() {
@@ -982,6 +994,48 @@ mod tests {
             assert_eq!(bits(&a.0), bits(&b.0), "{name}: the prompt step");
             assert_eq!(bits(&a.1), bits(&b.1), "{name}: the next step");
         }
+    }
+
+    /// Kept-apart data of a number type becomes its tensor in place; a boolean mask's goes back
+    /// into the protobuf (tract reads its bytes as booleans).
+    #[test]
+    fn kept_apart_booleans_go_back_into_the_protobuf() {
+        let tensor = |name: &str, data_type: i32, dims: i64, raw: Vec<u8>| pb::TensorProto {
+            name: name.into(),
+            data_type,
+            dims: vec![dims],
+            raw_data: raw,
+            ..Default::default()
+        };
+        let floats: Vec<u8> = (0..300).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let model = pb::ModelProto {
+            graph: Some(pb::GraphProto {
+                initializer: vec![
+                    tensor(
+                        "mask",
+                        9,
+                        2048,
+                        (0..2048).map(|i| (i % 3 == 0) as u8).collect(),
+                    ),
+                    tensor("w", 1, 300, floats),
+                ],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let bytes = prost::Message::encode_to_vec(&model);
+        let mut stream = onnx::StreamDecoder::new_apart("m.onnx").with_large(1024);
+        stream.feed(&bytes).unwrap();
+        let Decoded { mut proto, apart } = stream.finish().unwrap();
+        assert_eq!(apart.len(), 2);
+        let typed = typed_apart(&mut proto, apart).unwrap();
+        assert_eq!(typed.keys().collect::<Vec<_>>(), ["w"]);
+        let w = typed["w"].try_as_plain_ram().unwrap();
+        assert_eq!(w.as_slice::<f32>().unwrap()[299], 299.0);
+        let g = proto.graph.unwrap();
+        let mask = g.initializer.iter().find(|t| t.name == "mask").unwrap();
+        assert_eq!(mask.raw_data.len(), 2048);
+        assert_eq!(mask.raw_data[3], 1);
     }
 
     /// The pass left out by `optimize` is still in tract's declutter list (else the filter
