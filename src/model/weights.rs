@@ -58,37 +58,27 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         return Ok(());
     };
     let f16 = is_f16_graph(graph);
-    let matrices: HashSet<String> = graph
-        .initializer
-        .iter()
-        .filter(|t| t.dims.len() == 2)
-        .filter(|t| t.data_type == FLOAT16 || t.data_type == FLOAT)
-        .map(|t| t.name.clone())
-        .collect();
+    let matrices: HashSet<String> = float_matrices(&graph.initializer).collect();
     let f16_matrices: HashSet<String> = graph
         .initializer
         .iter()
         .filter(|t| t.data_type == FLOAT16 && t.dims.len() == 2)
         .map(|t| t.name.clone())
         .collect();
-    // `Transpose(perm=[1, 0])` of an f16 matrix: output name -> the matrix.
-    let transposed: HashMap<String, String> = graph
-        .node
-        .iter()
-        .filter(|n| n.op_type == "Transpose" && n.input.len() == 1 && n.output.len() == 1)
-        .filter(|n| matrices.contains(&n.input[0]))
-        .filter(|n| {
-            let perm = n.attribute.iter().find(|a| a.name == "perm");
-            perm.is_none_or(|a| a.ints == [1, 0])
-        })
-        .map(|n| (n.output[0].clone(), n.input[0].clone()))
-        .collect();
+    let transposed = transposed_matrices(&graph.node, &matrices);
     // How many node inputs read each value (a matrix is transposed in place only when one
     // MatMul alone reads it).
     let mut readers: HashMap<&str, usize> = HashMap::new();
     for input in graph.node.iter().flat_map(|n| &n.input) {
         *readers.entry(input.as_str()).or_default() += 1;
     }
+    // The initializers whose data are bytes (`raw_data`, or kept apart), which transpose in place.
+    let in_bytes: HashSet<&str> = graph
+        .initializer
+        .iter()
+        .filter(|t| !t.raw_data.is_empty() || apart.contains_key(&t.name))
+        .map(|t| t.name.as_str())
+        .collect();
     let only_b: HashSet<String> = graph
         .node
         .iter()
@@ -97,16 +87,10 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         .filter(|b| {
             readers.get(b.as_str()) == Some(&1) && !graph.output.iter().any(|o| &o.name == *b)
         })
-        .filter(|b| {
-            graph.initializer.iter().any(|t| {
-                let has_data = !t.raw_data.is_empty() || apart.contains_key(&t.name);
-                let float = t.data_type == FLOAT || t.data_type == FLOAT16;
-                &t.name == *b && float && t.dims.len() == 2 && has_data
-            })
-        })
+        .filter(|b| matrices.contains(*b) && in_bytes.contains(b.as_str()))
         .cloned()
         .collect();
-    drop(readers);
+    drop((readers, in_bytes));
     let mut transpose: HashSet<String> = HashSet::new();
     let mut kept_f16: HashSet<String> = HashSet::new();
     let mut nodes = Vec::with_capacity(graph.node.len());
@@ -202,25 +186,8 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
         let mut initializers = outer.clone();
         initializers.extend(graph.initializer.iter().map(|t| t.name.clone()));
         let mut matrices = matrices.clone();
-        matrices.extend(
-            graph
-                .initializer
-                .iter()
-                .filter(|t| t.dims.len() == 2 && (t.data_type == FLOAT || t.data_type == FLOAT16))
-                .map(|t| t.name.clone()),
-        );
-        // `Transpose(perm=[1, 0])` of a float matrix initializer: output -> the matrix.
-        let transposed: HashMap<String, String> = graph
-            .node
-            .iter()
-            .filter(|n| n.op_type == "Transpose" && n.input.len() == 1 && n.output.len() == 1)
-            .filter(|n| matrices.contains(&n.input[0]))
-            .filter(|n| {
-                let perm = n.attribute.iter().find(|a| a.name == "perm");
-                perm.is_none_or(|a| a.ints == [1, 0])
-            })
-            .map(|n| (n.output[0].clone(), n.input[0].clone()))
-            .collect();
+        matrices.extend(float_matrices(&graph.initializer));
+        let transposed = transposed_matrices(&graph.node, &matrices);
         for node in graph.node.iter_mut() {
             let is_matmul = node.op_type == "MatMul" && node.domain.is_empty();
             let b = node.input.get(1).cloned().unwrap_or_default();
@@ -241,6 +208,32 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
     if let Some(graph) = proto.graph.as_mut() {
         visit(graph, &HashSet::new(), &HashSet::new());
     }
+}
+
+/// The names of the float32 and float16 matrices among `initializers`.
+fn float_matrices(initializers: &[pb::TensorProto]) -> impl Iterator<Item = String> + '_ {
+    initializers
+        .iter()
+        .filter(|t| t.dims.len() == 2 && (t.data_type == FLOAT || t.data_type == FLOAT16))
+        .map(|t| t.name.clone())
+}
+
+/// The outputs of `Transpose(perm=[1, 0])` nodes of one of `matrices` (float matrix
+/// initializers): output name -> the matrix.
+fn transposed_matrices(
+    nodes: &[pb::NodeProto],
+    matrices: &HashSet<String>,
+) -> HashMap<String, String> {
+    nodes
+        .iter()
+        .filter(|n| n.op_type == "Transpose" && n.input.len() == 1 && n.output.len() == 1)
+        .filter(|n| matrices.contains(&n.input[0]))
+        .filter(|n| {
+            let perm = n.attribute.iter().find(|a| a.name == "perm");
+            perm.is_none_or(|a| a.ints == [1, 0])
+        })
+        .map(|n| (n.output[0].clone(), n.input[0].clone()))
+        .collect()
 }
 
 fn transposed_attribute(transposed: bool) -> pb::AttributeProto {

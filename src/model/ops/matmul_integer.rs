@@ -452,13 +452,8 @@ mod tests {
     /// under the `threads` feature; the simd128 kernel runs in the wasm tests).
     #[test]
     fn matmul_is_exact() {
-        let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 24) as u32
-        };
+        let mut state = super::super::testing::xorshift(0x9e37_79b9_7f4a_7c15);
+        let mut next = move || (state() >> 24) as u32;
         for (k, n) in [(7, 5), (32, 48), (33, 37), (576, 192)] {
             let w: Vec<u8> = (0..k * n).map(|_| next() as u8).collect();
             for rows in 1..=5 {

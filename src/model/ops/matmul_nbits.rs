@@ -680,15 +680,10 @@ mod tests {
     use super::super::testing::check;
     use super::*;
 
-    /// A deterministic pseudo-random stream (xorshift).
+    /// A deterministic pseudo-random stream of u32 (`testing::xorshift`).
     fn stream(seed: u64) -> impl FnMut() -> u32 {
-        let mut s = seed;
-        move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 32) as u32
-        }
+        let mut state = super::super::testing::xorshift(seed);
+        move || (state() >> 32) as u32
     }
 
     /// Split across 2, 3 and 5 parts (threads under the `threads` feature), the output is

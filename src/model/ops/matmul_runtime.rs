@@ -142,13 +142,7 @@ mod tests {
     /// ones (a batch axis of 1 on either side, a lower-rank operand), one row and several.
     #[test]
     fn same_products_as_tracts_matmul() {
-        let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) % 2001) as f32 / 1000.0 - 1.0
-        };
+        let mut next = super::super::testing::uniform(0x9e37_79b9_7f4a_7c15);
         let cases: [(&[usize], &[usize]); 5] = [
             (&[1, 8, 1, 64], &[1, 8, 64, 37]),
             (&[2, 3, 5, 16], &[2, 3, 16, 7]),

@@ -348,13 +348,7 @@ mod tests {
     /// (1 row) and prompt (6 rows), N not a multiple of 4.
     #[test]
     fn column_split_is_bit_identical() {
-        let mut s = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) % 2001) as f32 / 1000.0 - 1.0
-        };
+        let mut next = super::super::testing::uniform(0x2545_f491_4f6c_dd1d);
         let (k, n) = (70, 4103);
         let w32: Vec<f32> = (0..k * n).map(|_| next()).collect();
         let w16: Vec<u16> = w32

@@ -153,6 +153,23 @@ pub(crate) fn initializer(
 pub(crate) mod testing {
     use std::path::PathBuf;
 
+    /// A deterministic pseudo-random stream of the kernels' tests: xorshift64's states.
+    pub fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        }
+    }
+
+    /// Values in [-1, 1] in steps of 1/1000, from `xorshift`.
+    pub fn uniform(seed: u64) -> impl FnMut() -> f32 {
+        let mut next = xorshift(seed);
+        move || ((next() >> 40) % 2001) as f32 / 1000.0 - 1.0
+    }
+
     use serde_json::Value;
     use tract_onnx::prelude::*;
 
