@@ -194,12 +194,13 @@ for (const [, name, startServer] of servers) {
 
     test("a client that aborts mid-stream stops the generation", async () => {
       const max = 240;
-      // A generation can finish before the abort reaches it (under wrangler dev the disconnect
-      // travels through its proxy, and the tiny model makes 8 x 240 tokens in well under a
-      // second): such a try shows nothing either way, so up to three are made.
+      // Under wrangler dev a client's disconnect does not always reach the Worker: in about one
+      // try in four (measured on 2 cores) neither request.signal nor the body's cancel() fires,
+      // and the generation runs to its end. Such a try shows nothing either way, so up to ten
+      // are made (one is about a second).
       let s;
       let before;
-      for (let attempt = 0; attempt < 3; attempt++) {
+      for (let attempt = 0; attempt < 10; attempt++) {
         before = await stats(base);
         const controller = new AbortController();
         const r = await fetch(`${base}/v1/completions`, {
