@@ -31,16 +31,24 @@ pub fn dot4x2(x0: &[f32], x1: &[f32], w: &[f32]) -> [[f32; 4]; 2] {
     dot4_rows::<2>([x0, x1], w)
 }
 
-/// [`dot4`] for four rows at once (sixteen accumulators: `MatMulWeights` takes a prompt's rows
-/// four at a time).
-pub fn dot4x4(x: [&[f32]; 4], w: &[f32]) -> [[f32; 4]; 4] {
-    dot4_rows::<4>(x, w)
-}
-
 /// Four lanes of partial sums per row and column, summed in lane order at the end, then the
-/// tail; written for LLVM to vectorize (one f32x4 accumulator per row and column).
+/// tail (one f32x4 accumulator per row and column): explicit simd128 in wasm, the portable
+/// loop elsewhere, with the same sums.
 #[inline(always)]
 fn dot4_rows<const R: usize>(x: [&[f32]; R], w: &[f32]) -> [[f32; 4]; R] {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        kernels::dot4_rows(x, w)
+    }
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    {
+        dot4_rows_portable(x, w)
+    }
+}
+
+#[cfg_attr(all(target_arch = "wasm32", target_feature = "simd128"), allow(dead_code))]
+#[inline(always)]
+fn dot4_rows_portable<const R: usize>(x: [&[f32]; R], w: &[f32]) -> [[f32; 4]; R] {
     let len = x[0].len();
     let (w0, rest) = w.split_at(len);
     let (w1, rest) = rest.split_at(len);
@@ -204,6 +212,46 @@ mod kernels {
     use core::arch::wasm32::*;
 
     use super::{axpy_rows_f16_with, f16_scaled};
+
+    /// `dot4_rows` with simd128: the four weight rows loaded once per step for all `R` rows.
+    #[inline(always)]
+    pub fn dot4_rows<const R: usize>(x: [&[f32]; R], w: &[f32]) -> [[f32; 4]; R] {
+        let len = x[0].len();
+        assert!(
+            w.len() >= 4 * len && x.iter().all(|x| x.len() >= len),
+            "dot4: {} weights for four rows of {len}",
+            w.len()
+        );
+        let chunks = len / 4;
+        let wp = [0, 1, 2, 3].map(|c| w[c * len..].as_ptr());
+        let xp = x.map(|x| x.as_ptr());
+        let mut acc = [[f32x4_splat(0.0); 4]; R];
+        for c in 0..chunks {
+            // SAFETY: elements 4c..4c+4 of each weight row and each x row are within `len`
+            // (asserted above); v128_load accepts unaligned addresses.
+            unsafe {
+                let wv = wp.map(|p| v128_load(p.add(c * 4) as *const v128));
+                for (acc, xp) in acc.iter_mut().zip(&xp) {
+                    let xv = v128_load(xp.add(c * 4) as *const v128);
+                    for (a, wv) in acc.iter_mut().zip(wv) {
+                        *a = f32x4_add(*a, f32x4_mul(xv, wv));
+                    }
+                }
+            }
+        }
+        let mut out = [[0f32; 4]; R];
+        for ((out, acc), x) in out.iter_mut().zip(&acc).zip(&x) {
+            for (c, (o, a)) in out.iter_mut().zip(acc).enumerate() {
+                let wr = &w[c * len..(c + 1) * len];
+                let tail: f32 = (chunks * 4..len).map(|i| x[i] * wr[i]).sum();
+                *o = ((f32x4_extract_lane::<0>(*a) + f32x4_extract_lane::<1>(*a))
+                    + f32x4_extract_lane::<2>(*a))
+                    + f32x4_extract_lane::<3>(*a)
+                    + tail;
+            }
+        }
+        out
+    }
 
     /// Eight f16 at `p` as two f32x4 of `f16_scaled` values.
     ///

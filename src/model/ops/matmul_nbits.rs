@@ -15,7 +15,7 @@ use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::NodeProto;
 use tract_onnx::tract_hir::internal::*;
 
-use super::linalg::{dot, dot4, dot4x2, dot4x4};
+use super::linalg::{dot, dot4, dot4x2};
 use super::{initializer_dims, input_slot, matmul_output_fact, node_label};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -423,18 +423,9 @@ impl Params<'_> {
             let x = |r: usize| &ap[r * padded..(r + 1) * padded];
             let mut r = 0;
             while r < rows {
-                if count == COLS && r + 3 < rows {
-                    // Four rows share each loaded weight (`dot4x4`, the same sums).
-                    let sums = dot4x4([x(r), x(r + 1), x(r + 2), x(r + 3)], &w);
-                    for (i, s) in sums.iter().enumerate() {
-                        let o = (r + i) * width + at;
-                        block[o..o + COLS].copy_from_slice(s);
-                    }
-                    r += 4;
-                    continue;
-                }
                 if count == COLS && r + 1 < rows {
-                    // Two rows share each loaded weight (the same sums as `dot4`).
+                    // Two rows share each loaded weight (the same sums as `dot4`; with four
+                    // rows the sixteen accumulators no longer fit the registers).
                     let sums = dot4x2(x(r), x(r + 1), &w);
                     for (i, s) in sums.iter().enumerate() {
                         let o = (r + i) * width + at;

@@ -6,7 +6,7 @@
 //!
 //! One row of `A` (decoding) streams the weight once: one dot product per output for `[N, K]`.
 //! Several rows (a prompt) take a panel of the weight at a time (converted to f32 for f16) and
-//! multiply it with every row, four rows at a time for `[N, K]` (`dot4x4`). Under the
+//! multiply it with every row, two rows at a time for `[N, K]` (`dot4x2`). Under the
 //! `threads` feature the output columns are split across the threads (`parallel.rs`).
 
 use std::ops::Range;
@@ -17,7 +17,7 @@ use tract_onnx::prelude::f16;
 use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
-    axpy_rows, axpy_rows_f16, dot, dot4, dot4x2, dot4x4, f16_is_special, f16_to_f32_slice,
+    axpy_rows, axpy_rows_f16, dot, dot4, dot4x2, f16_is_special, f16_to_f32_slice,
     matvec_f16_nk,
 };
 use super::{initializer_dims, matmul_output_fact, node_label};
@@ -265,19 +265,10 @@ fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, cols: Range<usize>, block: 
         let mut r = 0;
         while r < rows {
             let xr = &x[r * k..(r + 1) * k];
-            let row = |i: usize| &x[i * k..(i + 1) * k];
-            if count == COLS && r + 3 < rows {
-                // Four rows at a time: each weight loaded once for all four (`dot4x4`).
-                let sums = dot4x4([xr, row(r + 1), row(r + 2), row(r + 3)], panel);
-                for (i, sums) in sums.iter().enumerate() {
-                    let at = (r + i) * width + at;
-                    block[at..at + COLS].copy_from_slice(sums);
-                }
-                r += 4;
-                continue;
-            }
             if count == COLS && r + 1 < rows {
-                // Two rows at a time: each weight loaded once for both (`dot4x2`).
+                // Two rows at a time: each weight loaded once for both (`dot4x2`; four rows
+                // took 20-30% longer in wasm, their sixteen accumulators spilling from the
+                // sixteen SIMD registers of x86-64).
                 let [o0, o1] = dot4x2(xr, &x[(r + 1) * k..(r + 2) * k], panel);
                 block[r * width + at..r * width + at + COLS].copy_from_slice(&o0);
                 block[(r + 1) * width + at..(r + 1) * width + at + COLS].copy_from_slice(&o1);
