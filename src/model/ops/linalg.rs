@@ -46,7 +46,10 @@ fn dot4_rows<const R: usize>(x: [&[f32]; R], w: &[f32]) -> [[f32; 4]; R] {
     }
 }
 
-#[cfg_attr(all(target_arch = "wasm32", target_feature = "simd128"), allow(dead_code))]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_feature = "simd128"),
+    allow(dead_code)
+)]
 #[inline(always)]
 fn dot4_rows_portable<const R: usize>(x: [&[f32]; R], w: &[f32]) -> [[f32; 4]; R] {
     let len = x[0].len();

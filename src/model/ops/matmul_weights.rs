@@ -17,8 +17,7 @@ use tract_onnx::prelude::f16;
 use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
-    axpy_rows, axpy_rows_f16, dot, dot4, dot4x2, f16_is_special, f16_to_f32_slice,
-    matvec_f16_nk,
+    axpy_rows, axpy_rows_f16, dot, dot4, dot4x2, f16_is_special, f16_to_f32_slice, matvec_f16_nk,
 };
 use super::{initializer_dims, matmul_output_fact, node_label};
 
