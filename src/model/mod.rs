@@ -140,11 +140,12 @@ impl Model {
             })?;
         let engine = match &files.encoder {
             Some(encoder) => {
-                let encoder = onnx::decode(
+                let mut encoder = onnx::decode(
                     encoder,
                     files.encoder_external_data.as_deref(),
                     "encoder_model.onnx",
                 )?;
+                weights::runtime_matmuls(&mut encoder);
                 let first = files
                     .first_decoder
                     .as_ref()

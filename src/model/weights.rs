@@ -7,8 +7,8 @@
 //! * A `MatMul` whose `B` is the `Transpose` of a rank-2 initializer (a tied `lm_head` reading
 //!   the embedding table) becomes a `MatMulWeights` node reading the table itself: tract would
 //!   otherwise keep a transposed copy and a packed copy of it.
-//! * In decoder graphs, the `MatMul`s of runtime operands (the attention products) become
-//!   `MatMulRuntime` (`runtime_matmuls`).
+//! * In decoder and encoder graphs, the `MatMul`s of runtime operands (the attention products)
+//!   become `MatMulRuntime` (`runtime_matmuls`).
 //! * float16 graphs (`model_fp16.onnx`) are computed in f32 with the large weights kept in
 //!   f16 (tract computes f16 arithmetic slowly without native f16, on x86 and in wasm, and
 //!   converting every weight to f32 would double the memory): every `MatMul` whose `B` is a
@@ -174,8 +174,8 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
 /// The `MatMul`s of a decoder graph whose `B` is no initializer (the attention products) become
 /// `MatMulRuntime` (`ops/matmul_runtime.rs`), in subgraphs too (a merged decoder's branches).
 /// Run after `rewrite` (whose weight `MatMul`s read initializers, or the transposed tables it
-/// resolves), on decoder graphs only: an encoder's products of many rows by many columns are
-/// tract's (its packed kernels are faster there).
+/// resolves), on decoder graphs and on an encoder's (Whisper's attention over 1500 frames:
+/// its encoder took 2.6 s in wasm instead of 3.1 s with tract's packed kernel).
 ///
 /// In a subgraph, a `MatMul` by the transpose of a float matrix initializer (a merged decoder's
 /// tied `lm_head`, which `rewrite` does not see in the branches) becomes `MatMulWeights`

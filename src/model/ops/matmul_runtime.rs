@@ -1,18 +1,25 @@
-//! `MatMulRuntime` (made by `model::weights::runtime_matmuls` from the `MatMul`s of a decoder
-//! graph whose `B` is computed in the graph: the attention products `Q K^T` and `P V`): `Y = A
-//! @ B` with numpy broadcasting of the batch axes, f32, each row of `A` multiplying `B` as it
-//! lies (`linalg::axpy_rows`).
+//! `MatMulRuntime` (made by `model::weights::runtime_matmuls` from the `MatMul`s whose `B` is
+//! computed in the graph: the attention products `Q K^T` and `P V`): `Y = A @ B` with numpy
+//! broadcasting of the batch axes, f32. One row of `A` (a decoding step) multiplies `B` as it
+//! lies (`linalg::axpy_rows`); more rows (a prompt, an encoder's frames) multiply a transposed
+//! copy of `B` with the prompt kernel of `MatMulWeights`.
 //!
 //! tract's matmul packs both operands of such a product at every step, then runs its 8x8
 //! kernel for the one row of a decoding step: in Whisper's decoder, whose cross-attention reads
-//! 1500 encoder positions per layer, packing and that kernel were 84% of a step. Other forms
-//! (an operand of rank 1, not f32) are wired as tract-onnx's `MatMul`.
+//! 1500 encoder positions per layer, packing and that kernel were 84% of a step. In its encoder
+//! (1500 frames), the first token of Whisper base came 2.6 s after the call in wasm instead of
+//! 3.1 s. Other forms (an operand of rank 1, not f32) are wired as tract-onnx's `MatMul`.
 
 use tract_onnx::prelude::*;
 use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
 use super::linalg::axpy_rows;
+use super::matmul_weights;
+
+/// From this many rows of `A` (a prompt, an encoder), `B` is transposed for the prompt kernel;
+/// fewer (a decoding step's one row) multiply `B` as it lies.
+const PROMPT_ROWS: usize = 4;
 
 /// The op type of the rewritten `MatMul`s (registered in `ops/mod.rs`).
 pub const MATMUL_RUNTIME: &str = "MatMulRuntime";
@@ -113,6 +120,7 @@ impl EvalOp for RuntimeOp {
         };
         let (sa, sb) = (strides(&ashape, m * k), strides(&bshape, k * n));
         let batches: usize = cshape[..rank - 2].iter().product();
+        let mut transposed = Vec::new();
         for (batch, c) in out
             .chunks_exact_mut((m * n).max(1))
             .enumerate()
@@ -126,8 +134,21 @@ impl EvalOp for RuntimeOp {
                 ib += i * sb[ax];
             }
             let wb = &w[ib..ib + k * n];
-            for (r, row) in c.chunks_exact_mut(n.max(1)).enumerate() {
-                axpy_rows(&x[ia + r * k..ia + (r + 1) * k], wb, n, row);
+            let xb = &x[ia..ia + m * k];
+            if m >= PROMPT_ROWS {
+                // B transposed to [n, k] (k n copies against m k n products), then the prompt
+                // kernel of the weight matmuls: two rows of A per pass over four columns.
+                transposed.resize(k * n, 0.0);
+                for (i, row) in wb.chunks_exact(n.max(1)).enumerate() {
+                    for (j, v) in row.iter().enumerate() {
+                        transposed[j * k + i] = *v;
+                    }
+                }
+                matmul_weights::matmul_f32_nk(xb, m, &transposed, k, n, c);
+            } else {
+                for (r, row) in c.chunks_exact_mut(n.max(1)).enumerate() {
+                    axpy_rows(&xb[r * k..(r + 1) * k], wb, n, row);
+                }
             }
         }
         Ok(tvec!(Tensor::from_shape(&cshape, &out)?.into_tvalue()))
@@ -139,12 +160,15 @@ mod tests {
     use super::*;
 
     /// Against tract's own matmul (EinSum) on the same operands: equal batch axes, broadcast
-    /// ones (a batch axis of 1 on either side, a lower-rank operand), one row and several.
+    /// ones (a batch axis of 1 on either side, a lower-rank operand), one row and several (the
+    /// transposed path from `PROMPT_ROWS`, with column and row tails).
     #[test]
     fn same_products_as_tracts_matmul() {
         let mut next = super::super::testing::uniform(0x9e37_79b9_7f4a_7c15);
-        let cases: [(&[usize], &[usize]); 5] = [
+        let cases: [(&[usize], &[usize]); 7] = [
             (&[1, 8, 1, 64], &[1, 8, 64, 37]),
+            (&[1, 2, 37, 64], &[1, 2, 64, 37]),
+            (&[2, 9, 13], &[1, 13, 6]),
             (&[2, 3, 5, 16], &[2, 3, 16, 7]),
             (&[2, 1, 4, 6], &[1, 3, 6, 9]),
             (&[3, 4, 6], &[6, 5]),

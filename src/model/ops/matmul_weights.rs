@@ -188,6 +188,13 @@ impl EvalOp for WeightsOp {
     }
 }
 
+/// `out = x @ w^T` for `rows` rows of `x` (`[rows, k]`) and an f32 `w` `[n, k]` (`MatMulRuntime`
+/// on a transposed `B`), the columns split as for a weight.
+pub fn matmul_f32_nk(x: &[f32], rows: usize, w: &[f32], k: usize, n: usize, out: &mut [f32]) {
+    let parts = super::parallel::parts_for(rows * k * n);
+    matmul(x, rows, W::F32(w), k, n, true, parts, out);
+}
+
 /// The weight's values: f32, or f16 bits.
 #[derive(Clone, Copy)]
 enum W<'a> {
