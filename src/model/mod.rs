@@ -156,11 +156,10 @@ impl Model {
                         Ok(first)
                     })
                     .transpose()?;
-                let proto = decoded.into_inline();
                 let graphs = Seq2SeqGraphs {
-                    encoder: &encoder,
-                    decoder: &proto,
-                    first_decoder: first.as_ref(),
+                    encoder,
+                    decoder: decoded,
+                    first_decoder: first,
                 };
                 Engine::Seq2Seq(Arc::new(Seq2Seq::new(graphs, signature.clone(), vocab)?))
             }

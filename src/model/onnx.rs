@@ -40,24 +40,6 @@ pub struct Decoded {
     pub apart: Apart,
 }
 
-impl Decoded {
-    /// The protobuf with every initializer's data in it (for the graphs that read it there).
-    pub fn into_inline(self) -> pb::ModelProto {
-        let Decoded {
-            mut proto,
-            mut apart,
-        } = self;
-        if let Some(g) = proto.graph.as_mut() {
-            for t in g.initializer.iter_mut() {
-                if let Some(bytes) = apart.remove(&t.name) {
-                    t.raw_data = bytes.as_bytes().to_vec();
-                }
-            }
-        }
-        proto
-    }
-}
-
 /// The tract type of an ONNX data type, when it is a number (every bit pattern a value).
 fn number_type(data_type: i32) -> Option<DatumType> {
     pb::tensor_proto::DataType::try_from(data_type)

@@ -15,9 +15,11 @@ use tract_onnx::prelude::*;
 use crate::cache::gather_rows;
 use crate::decoder::{DecoderState, Logits};
 use crate::error::{backend, Error, Result};
-use crate::model::onnx::specialize_bool_input;
+use crate::model::onnx::{specialize_bool_input, Decoded};
 use crate::model::signature::{Dtype, Signature, ONNX_INT32};
-use crate::model::tract_decoder::{int_tensor, last_logits, optimize, output_names, parse_graph};
+use crate::model::tract_decoder::{
+    int_tensor, last_logits, optimize, output_names, parse_graph_owned, shared_initializers,
+};
 
 /// What a request gives the encoder.
 #[derive(Debug, Clone, PartialEq)]
@@ -103,13 +105,13 @@ pub struct Seq2Seq {
     vocab: usize,
 }
 
-/// The ONNX graphs of an encoder-decoder model.
-pub struct Seq2SeqGraphs<'a> {
-    pub encoder: &'a pb::ModelProto,
+/// The ONNX graphs of an encoder-decoder model, handed over: each is dropped once parsed.
+pub struct Seq2SeqGraphs {
+    pub encoder: pb::ModelProto,
     /// `decoder_model_merged.onnx`, or `decoder_with_past_model.onnx` of the split pair.
-    pub decoder: &'a pb::ModelProto,
+    pub decoder: Decoded,
     /// `decoder_model.onnx` of the split pair.
-    pub first_decoder: Option<&'a pb::ModelProto>,
+    pub first_decoder: Option<pb::ModelProto>,
 }
 
 impl Seq2Seq {
@@ -127,11 +129,18 @@ impl Seq2Seq {
                 encoder_sig.join(", ")
             )));
         }
-        let encoder = parse_graph(graphs.encoder, &sig)?;
+        let none = HashMap::new();
+        let encoder = parse_graph_owned(graphs.encoder, &sig, &none)?;
+        let Decoded {
+            proto: mut decoder,
+            apart,
+        } = graphs.decoder;
+        // The large initializers become tensors, shared by both branches of a merged decoder.
+        let shared = shared_initializers(&mut decoder, apart)?;
         let (first, with_past) = match graphs.first_decoder {
             Some(first) => (
-                parse_graph(first, &sig)?,
-                parse_graph(graphs.decoder, &sig)?,
+                parse_graph_owned(first, &sig, &none)?,
+                parse_graph_owned(decoder, &sig, &shared)?,
             ),
             None => {
                 if !sig.has_use_cache_branch {
@@ -142,11 +151,14 @@ impl Seq2Seq {
                             .into(),
                     ));
                 }
-                let mut no_cache = graphs.decoder.clone();
+                let mut no_cache = decoder.clone();
                 specialize_bool_input(&mut no_cache, "use_cache_branch", false)?;
-                let mut cache = graphs.decoder.clone();
+                let mut cache = decoder;
                 specialize_bool_input(&mut cache, "use_cache_branch", true)?;
-                (parse_graph(&no_cache, &sig)?, parse_graph(&cache, &sig)?)
+                (
+                    parse_graph_owned(no_cache, &sig, &shared)?,
+                    parse_graph_owned(cache, &sig, &shared)?,
+                )
             }
         };
         let s = Seq2Seq {

@@ -108,9 +108,8 @@ impl TractDecoder {
                     .into(),
             ));
         }
-        // The data kept apart become the tensors of the initializers, shared by both branches of
-        // a merged decoder.
-        let apart = typed_apart(&mut proto, apart)?;
+        // The large initializers become tensors, shared by both branches of a merged decoder.
+        let apart = shared_initializers(&mut proto, apart)?;
         // A merged decoder is specialised into its branches (the `grow` mode's first step
         // takes the no-cache one); each graph is parsed, then its protobuf dropped.
         let (template, first_template) = if sig.has_use_cache_branch {
@@ -309,16 +308,18 @@ pub(crate) fn parse_graph(proto: &pb::ModelProto, sig: &Signature) -> Result<Inf
     parse_graph_with(proto, sig, Vec::new())
 }
 
-/// The tensors of the initializers whose data was kept apart (`onnx::into_typed`); the data of
-/// a type that is not a number (a boolean mask) goes back into the protobuf, for tract to read.
-fn typed_apart(
+/// The tensors of the large initializers, taken out of the protobuf, which keeps their name,
+/// type and shape: those whose data was kept apart become tensors in place
+/// (`onnx::into_typed`), the others are converted one at a time, each one's bytes freed
+/// before the next. Graphs parsed from clones of the protobuf with these (`parse_graph_owned`)
+/// share them: the branches of a merged decoder hold the weights once. The data of a type
+/// that is not a number (a boolean mask) goes back into the protobuf, for tract to read.
+pub(crate) fn shared_initializers(
     proto: &mut pb::ModelProto,
     mut apart: Apart,
 ) -> Result<HashMap<String, Arc<Tensor>>> {
     let mut typed = HashMap::new();
-    if apart.is_empty() {
-        return Ok(typed);
-    }
+    let onnx = super::ops::onnx();
     for t in proto
         .graph
         .iter_mut()
@@ -330,6 +331,11 @@ fn typed_apart(
             } else {
                 t.raw_data = bytes.as_bytes().to_vec();
             }
+        } else if t.raw_data.len() >= super::ops::LARGE_INITIALIZER && is_number(t.data_type) {
+            let tensor = tract_onnx::tensor::load_tensor(&*onnx.provider, t, None)
+                .map_err(|e| Error::Model(format!("initializer `{}`: {e}", t.name)))?;
+            t.raw_data = Vec::new();
+            typed.insert(t.name.clone(), tensor.into_arc_tensor());
         }
     }
     if let Some(name) = apart.keys().next() {
@@ -996,10 +1002,11 @@ mod tests {
         }
     }
 
-    /// Kept-apart data of a number type becomes its tensor in place; a boolean mask's goes back
-    /// into the protobuf (tract reads its bytes as booleans).
+    /// Kept-apart data of a number type becomes its tensor in place, and a large initializer
+    /// whose data is in the protobuf is taken out of it; a boolean mask's data goes back into
+    /// the protobuf (tract reads its bytes as booleans).
     #[test]
-    fn kept_apart_booleans_go_back_into_the_protobuf() {
+    fn shared_initializers_leave_booleans_in_the_protobuf() {
         let tensor = |name: &str, data_type: i32, dims: i64, raw: Vec<u8>| pb::TensorProto {
             name: name.into(),
             data_type,
@@ -1028,14 +1035,24 @@ mod tests {
         stream.feed(&bytes).unwrap();
         let Decoded { mut proto, apart } = stream.finish().unwrap();
         assert_eq!(apart.len(), 2);
-        let typed = typed_apart(&mut proto, apart).unwrap();
-        assert_eq!(typed.keys().collect::<Vec<_>>(), ["w"]);
+        // A large initializer whose data is in the protobuf (a graph decoded whole).
+        let big: Vec<u8> = (0..16384).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let graph = proto.graph.as_mut().unwrap();
+        graph.initializer.push(tensor("big", 1, 16384, big));
+        let typed = shared_initializers(&mut proto, apart).unwrap();
+        let mut names: Vec<_> = typed.keys().collect();
+        names.sort();
+        assert_eq!(names, ["big", "w"]);
         let w = typed["w"].try_as_plain_ram().unwrap();
         assert_eq!(w.as_slice::<f32>().unwrap()[299], 299.0);
+        let big = typed["big"].try_as_plain_ram().unwrap();
+        assert_eq!(big.as_slice::<f32>().unwrap()[16383], 16383.0);
         let g = proto.graph.unwrap();
         let mask = g.initializer.iter().find(|t| t.name == "mask").unwrap();
         assert_eq!(mask.raw_data.len(), 2048);
         assert_eq!(mask.raw_data[3], 1);
+        let big = g.initializer.iter().find(|t| t.name == "big").unwrap();
+        assert!(big.raw_data.is_empty() && big.dims == [16384]);
     }
 
     /// The pass left out by `optimize` is still in tract's declutter list (else the filter
