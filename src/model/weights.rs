@@ -2,8 +2,9 @@
 //!
 //! * A `MatMul` whose `B` is a float32 or float16 matrix initializer that no other node reads
 //!   becomes a `MatMulWeights` node (`ops/matmul_weights.rs`), the matrix transposed to `[N, K]`
-//!   in place (one dot product per output when decoding; tract would keep its template's copy
-//!   and a packed copy). Read by several nodes, a float16 matrix is read as `[K, N]`.
+//!   in place, in panels of four rows for f32 (one dot product per output when decoding; tract
+//!   would keep its template's copy and a packed copy). Read by several nodes, a float16 matrix
+//!   is read as `[K, N]`.
 //! * A `MatMul` whose `B` is the `Transpose` of a rank-2 initializer (a tied `lm_head` reading
 //!   the embedding table) becomes a `MatMulWeights` node reading the table itself: tract would
 //!   otherwise keep a transposed copy and a packed copy of it.
@@ -25,6 +26,8 @@ use tract_onnx::pb;
 
 use crate::error::{Error, Result};
 use crate::model::onnx::Apart;
+use crate::model::ops::linalg::panel_index;
+use crate::model::ops::matmul_weights::Layout;
 use tract_onnx::prelude::Tensor;
 
 const FLOAT: i32 = pb::tensor_proto::DataType::Float as i32;
@@ -91,7 +94,14 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         .cloned()
         .collect();
     drop((readers, in_bytes));
-    let mut transpose: HashSet<String> = HashSet::new();
+    // The f32 matrices `[K, N]` with K a multiple of four, which transpose into panels.
+    let panel_ready: HashSet<String> = graph
+        .initializer
+        .iter()
+        .filter(|t| t.data_type == FLOAT && t.dims.len() == 2 && t.dims[0] % 4 == 0)
+        .map(|t| t.name.clone())
+        .collect();
+    let mut transpose: HashMap<String, Layout> = HashMap::new();
     let mut kept_f16: HashSet<String> = HashSet::new();
     let mut nodes = Vec::with_capacity(graph.node.len());
     for mut node in std::mem::take(&mut graph.node) {
@@ -99,17 +109,22 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         if node.op_type == "MatMul" && node.domain.is_empty() && node.input.len() == 2 {
             let f16 = f16_matrices.contains(&b);
             let weight = if only_b.contains(&b) {
-                transpose.insert(b.clone());
-                Some((b.clone(), true))
+                let layout = if panel_ready.contains(&b) {
+                    Layout::Panels
+                } else {
+                    Layout::Nk
+                };
+                transpose.insert(b.clone(), layout);
+                Some((b.clone(), layout))
             } else if f16 {
-                Some((b.clone(), false))
+                Some((b.clone(), Layout::Kn))
             } else {
-                transposed.get(&b).map(|m| (m.clone(), true))
+                transposed.get(&b).map(|m| (m.clone(), Layout::Nk))
             };
-            if let Some((matrix, is_transposed)) = weight {
+            if let Some((matrix, layout)) = weight {
                 node.op_type = MATMUL_WEIGHTS.into();
                 node.input[1] = matrix.clone();
-                node.attribute.push(transposed_attribute(is_transposed));
+                node.attribute.push(layout_attribute(layout));
                 kept_f16.insert(matrix);
                 nodes.push(node);
                 continue;
@@ -142,8 +157,8 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         !unread_transpose
     });
     for t in graph.initializer.iter_mut() {
-        if transpose.contains(&t.name) {
-            transpose_matrix(t, apart.get_mut(&t.name))?;
+        if let Some(&layout) = transpose.get(&t.name) {
+            transpose_matrix(t, apart.get_mut(&t.name), layout)?;
         }
     }
     if !f16 {
@@ -194,7 +209,7 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
             if is_matmul && node.input.len() == 2 && transposed.contains_key(&b) {
                 node.op_type = MATMUL_WEIGHTS.into();
                 node.input[1] = transposed[&b].clone();
-                node.attribute.push(transposed_attribute(true));
+                node.attribute.push(layout_attribute(Layout::Nk));
             } else if is_matmul && !initializers.contains(&b) {
                 node.op_type = crate::model::ops::matmul_runtime::MATMUL_RUNTIME.into();
             }
@@ -236,11 +251,11 @@ fn transposed_matrices(
         .collect()
 }
 
-fn transposed_attribute(transposed: bool) -> pb::AttributeProto {
+fn layout_attribute(layout: Layout) -> pb::AttributeProto {
     pb::AttributeProto {
-        name: "transposed".into(),
+        name: "layout".into(),
         r#type: pb::attribute_proto::AttributeType::Int as i32,
-        i: transposed as i64,
+        i: layout.attribute(),
         ..Default::default()
     }
 }
@@ -304,9 +319,13 @@ pub fn f16_bits(t: &pb::TensorProto) -> Result<Vec<u16>> {
     }
 }
 
-/// A float32 or float16 `[K, N]` matrix as `[N, K]`, in place: its `raw_data`, or its data kept
-/// apart.
-fn transpose_matrix(t: &mut pb::TensorProto, apart: Option<&mut Tensor>) -> Result<()> {
+/// A float32 or float16 `[K, N]` matrix as `[N, K]` in `layout` (rows, or panels for f32), in
+/// place: its `raw_data`, or its data kept apart.
+fn transpose_matrix(
+    t: &mut pb::TensorProto,
+    apart: Option<&mut Tensor>,
+    layout: Layout,
+) -> Result<()> {
     let (k, n) = match t.dims.as_slice() {
         &[k, n] if k >= 0 && n >= 0 => (k as usize, n as usize),
         dims => {
@@ -330,17 +349,31 @@ fn transpose_matrix(t: &mut pb::TensorProto, apart: Option<&mut Tensor>) -> Resu
             k * n * size
         )));
     }
-    if size == 2 {
-        transpose_values::<2>(bytes, k, n);
-    } else {
-        transpose_values::<4>(bytes, k, n);
+    match (layout, size) {
+        (Layout::Panels, 4) if k.is_multiple_of(4) => {
+            transpose_values::<4>(bytes, k, n, |j, i| panel_index(j, i, n, k))
+        }
+        (Layout::Nk, 2) => transpose_values::<2>(bytes, k, n, |j, i| j * k + i),
+        (Layout::Nk, 4) => transpose_values::<4>(bytes, k, n, |j, i| j * k + i),
+        _ => {
+            return Err(Error::Model(format!(
+                "tensor `{}`: cannot store it {layout:?}",
+                t.name
+            )))
+        }
     }
     t.dims = vec![n as i64, k as i64];
     Ok(())
 }
 
-/// `bytes`, a `[k, n]` matrix of `S`-byte values, as `[n, k]`.
-fn transpose_values<const S: usize>(bytes: &mut [u8], k: usize, n: usize) {
+/// `bytes`, a `[k, n]` matrix of `S`-byte values, with value `(i, j)` moved to `at(j, i)` (its
+/// place in the `[n, k]` layout).
+fn transpose_values<const S: usize>(
+    bytes: &mut [u8],
+    k: usize,
+    n: usize,
+    at: impl Fn(usize, usize) -> usize,
+) {
     let src: Vec<[u8; S]> = bytes
         .chunks_exact(S)
         .map(|v| v.try_into().expect("chunks of S bytes"))
@@ -352,7 +385,7 @@ fn transpose_values<const S: usize>(bytes: &mut [u8], k: usize, n: usize) {
         for j0 in (0..n).step_by(TILE) {
             for j in j0..(j0 + TILE).min(n) {
                 for i in i0..(i0 + TILE).min(k) {
-                    dst[j * k + i] = src[i * n + j];
+                    dst[at(j, i)] = src[i * n + j];
                 }
             }
         }

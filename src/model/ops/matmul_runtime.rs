@@ -14,8 +14,8 @@ use tract_onnx::prelude::*;
 use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
-use super::linalg::axpy_rows;
-use super::matmul_weights;
+use super::linalg::{axpy_rows, panel_index};
+use super::matmul_weights::{self, Layout};
 
 /// From this many rows of `A` (a prompt, an encoder), `B` is transposed for the prompt kernel;
 /// fewer (a decoding step's one row) multiply `B` as it lies.
@@ -136,15 +136,25 @@ impl EvalOp for RuntimeOp {
             let wb = &w[ib..ib + k * n];
             let xb = &x[ia..ia + m * k];
             if m >= PROMPT_ROWS {
-                // B transposed to [n, k] (k n copies against m k n products), then the prompt
-                // kernel of the weight matmuls: two rows of A per pass over four columns.
+                // B transposed to [n, k] (k n copies against m k n products), in panels when K
+                // allows, then the prompt kernel of the weight matmuls: two rows of A per pass
+                // over four columns.
+                let layout = if k.is_multiple_of(4) {
+                    Layout::Panels
+                } else {
+                    Layout::Nk
+                };
                 transposed.resize(k * n, 0.0);
                 for (i, row) in wb.chunks_exact(n.max(1)).enumerate() {
                     for (j, v) in row.iter().enumerate() {
-                        transposed[j * k + i] = *v;
+                        let at = match layout {
+                            Layout::Panels => panel_index(j, i, n, k),
+                            _ => j * k + i,
+                        };
+                        transposed[at] = *v;
                     }
                 }
-                matmul_weights::matmul_f32_nk(xb, m, &transposed, k, n, c);
+                matmul_weights::matmul_f32_nk(xb, m, &transposed, k, n, layout, c);
             } else {
                 for (r, row) in c.chunks_exact_mut(n.max(1)).enumerate() {
                     axpy_rows(&xb[r * k..(r + 1) * k], wb, n, row);
@@ -165,9 +175,10 @@ mod tests {
     #[test]
     fn same_products_as_tracts_matmul() {
         let mut next = super::super::testing::uniform(0x9e37_79b9_7f4a_7c15);
-        let cases: [(&[usize], &[usize]); 7] = [
+        let cases: [(&[usize], &[usize]); 8] = [
             (&[1, 8, 1, 64], &[1, 8, 64, 37]),
             (&[1, 2, 37, 64], &[1, 2, 64, 37]),
+            (&[1, 2, 9, 6], &[1, 2, 6, 11]),
             (&[2, 9, 13], &[1, 13, 6]),
             (&[2, 3, 5, 16], &[2, 3, 16, 7]),
             (&[2, 1, 4, 6], &[1, 3, 6, 9]),

@@ -1,13 +1,15 @@
 //! `MatMulWeights` (made by `model::weights` from `MatMul`s whose `B` is an initializer):
-//! `Y = A @ B` with `B` a float32 or float16 initializer `[K, N]`, or `[N, K]` with
-//! `transposed = 1` (a weight `model::weights` transposed at load, a tied `lm_head` reading the
-//! embedding table). The weight is read where it lies, never copied or packed; f16 values are
-//! converted in registers and the sums are f32.
+//! `Y = A @ B` with `B` a float32 or float16 initializer in one of the `Layout`s (its `layout`
+//! attribute): `[K, N]`; `[N, K]` (a tied `lm_head` reading the embedding table, an f16 weight
+//! `model::weights` transposed at load); `[N, K]` in panels of four rows (an f32 weight
+//! `model::weights` transposed at load, `linalg::panel_index`). The weight is read where it
+//! lies, never copied or packed; f16 values are converted in registers and the sums are f32.
 //!
 //! One row of `A` (decoding) streams the weight once: one dot product per output for `[N, K]`.
-//! Several rows (a prompt) take a panel of the weight at a time (converted to f32 for f16) and
-//! multiply it with every row, two rows at a time for `[N, K]` (`dot4x2`). Under the
-//! `threads` feature the output columns are split across the threads (`parallel.rs`).
+//! Several rows (a prompt) take four columns of the weight at a time (converted to f32 for f16)
+//! and multiply them with every row, two rows at a time for `[N, K]` (`dot4x2`). Both layouts
+//! of `[N, K]` give the same sums. Under the `threads` feature the output columns are split
+//! across the threads (`parallel.rs`).
 
 use std::ops::Range;
 
@@ -17,16 +19,43 @@ use tract_onnx::prelude::f16;
 use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
-    axpy_rows, axpy_rows_f16, dot, dot4, dot4x2, f16_is_special, f16_to_f32_slice, matvec_f16_nk,
+    axpy_rows, axpy_rows_f16, dot, dot4, dot4_panel, dot4x2, dot4x2_panel, dot_panel,
+    f16_is_special, f16_to_f32_slice, matvec_f16_nk,
 };
 use super::{initializer_dims, matmul_output_fact, node_label};
+
+/// How `B` is stored (the `layout` attribute: 0, 1, 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// `[K, N]`, as ONNX's `MatMul` reads it.
+    Kn,
+    /// `[N, K]`.
+    Nk,
+    /// `[N, K]` in panels of four rows (`linalg::panel_index`; K a multiple of four).
+    Panels,
+}
+
+impl Layout {
+    pub fn attribute(self) -> i64 {
+        match self {
+            Layout::Kn => 0,
+            Layout::Nk => 1,
+            Layout::Panels => 2,
+        }
+    }
+
+    fn of_attribute(v: i64) -> Option<Layout> {
+        [Layout::Kn, Layout::Nk, Layout::Panels]
+            .into_iter()
+            .find(|l| l.attribute() == v)
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Weights {
     pub k: usize,
     pub n: usize,
-    /// `B` is stored `[N, K]`.
-    pub transposed: bool,
+    pub layout: Layout,
     pub label: String,
 }
 
@@ -35,16 +64,23 @@ pub fn matmul_weights(
     node: &NodeProto,
 ) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)> {
     let label = node_label(node);
-    let transposed = node.get_attr_opt::<i64>("transposed")?.unwrap_or(0) != 0;
+    let value = node.get_attr_opt::<i64>("layout")?.unwrap_or(0);
+    let layout = Layout::of_attribute(value)
+        .ok_or_else(|| format_err!("{label}: layout {value}; expected 0, 1 or 2"))?;
     let dims = node
         .input
         .get(1)
         .and_then(|b| initializer_dims(ctx, b))
         .ok_or_else(|| format_err!("{label}: B must be an initializer"))?;
-    let (k, n) = match (dims.as_slice(), transposed) {
-        (&[k, n], false) | (&[n, k], true) if k > 0 && n > 0 => (k as usize, n as usize),
+    let (k, n) = match (dims.as_slice(), layout) {
+        (&[k, n], Layout::Kn) | (&[n, k], Layout::Nk | Layout::Panels) if k > 0 && n > 0 => {
+            (k as usize, n as usize)
+        }
         _ => bail!("{label}: B has shape {dims:?}; expected a non-empty matrix"),
     };
+    if layout == Layout::Panels && k % 4 != 0 {
+        bail!("{label}: B in panels needs K a multiple of 4; K is {k}");
+    }
     if node.input.len() != 2 || node.output.len() != 1 {
         bail!("{label}: expected two inputs and one output");
     }
@@ -52,7 +88,7 @@ pub fn matmul_weights(
         expand(Weights {
             k,
             n,
-            transposed,
+            layout,
             label,
         }),
         vec![],
@@ -173,7 +209,10 @@ impl EvalOp for WeightsOp {
             W::F32(w.as_slice::<f32>()?)
         };
         let parts = super::parallel::parts_for(rows * k * n);
-        matmul(x, rows, w, k, n, op.transposed, parts, &mut out);
+        if op.layout == Layout::Panels && matches!(w, W::F16(_)) {
+            bail!("{}: float16 weights are not stored in panels", op.label);
+        }
+        matmul(x, rows, w, k, n, op.layout, parts, &mut out);
         let mut shape: TVec<usize> = a.shape().into();
         if let Some(last) = shape.last_mut() {
             *last = n;
@@ -188,11 +227,19 @@ impl EvalOp for WeightsOp {
     }
 }
 
-/// `out = x @ w^T` for `rows` rows of `x` (`[rows, k]`) and an f32 `w` `[n, k]` (`MatMulRuntime`
-/// on a transposed `B`), the columns split as for a weight.
-pub fn matmul_f32_nk(x: &[f32], rows: usize, w: &[f32], k: usize, n: usize, out: &mut [f32]) {
+/// `out = x @ w^T` for `rows` rows of `x` (`[rows, k]`) and an f32 `w` `[n, k]` in `layout`
+/// (`MatMulRuntime` on a transposed `B`), the columns split as for a weight.
+pub fn matmul_f32_nk(
+    x: &[f32],
+    rows: usize,
+    w: &[f32],
+    k: usize,
+    n: usize,
+    layout: Layout,
+    out: &mut [f32],
+) {
     let parts = super::parallel::parts_for(rows * k * n);
-    matmul(x, rows, W::F32(w), k, n, true, parts, out);
+    matmul(x, rows, W::F32(w), k, n, layout, parts, out);
 }
 
 /// The weight's values: f32, or f16 bits.
@@ -216,9 +263,8 @@ impl W<'_> {
 /// multiples of it.
 const COLS: usize = 4;
 
-/// `out[r, j] = sum_k x[r, k] * w[.., ..]` (`[n, k]` weights when `transposed`, else `[k,
-/// n]`), the columns split in `parts` ranges that run in parallel (`parallel::by_columns`);
-/// the same values for any `parts`.
+/// `out[r, j] = sum_k x[r, k] * w[.., ..]` (`w` in `layout`), the columns split in `parts`
+/// ranges that run in parallel (`parallel::by_columns`); the same values for any `parts`.
 #[allow(clippy::too_many_arguments)]
 fn matmul(
     x: &[f32],
@@ -226,23 +272,47 @@ fn matmul(
     w: W,
     k: usize,
     n: usize,
-    transposed: bool,
+    layout: Layout,
     parts: usize,
     out: &mut [f32],
 ) {
-    super::parallel::by_columns(out, rows, n, COLS, parts, |cols, block| {
-        if transposed {
-            matmul_nk(x, rows, w, k, cols, block);
-        } else {
-            matmul_kn(x, rows, w, k, n, cols, block);
-        }
+    super::parallel::by_columns(out, rows, n, COLS, parts, |cols, block| match layout {
+        Layout::Kn => matmul_kn(x, rows, w, k, n, cols, block),
+        Layout::Nk => matmul_nk(x, rows, w, k, n, cols, block, false),
+        Layout::Panels => matmul_nk(x, rows, w, k, n, cols, block, true),
     });
 }
 
-/// Columns `cols` of `x @ w^T`, `w` `[n, k]`, into `block` (`[rows, cols.len()]`).
-fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, cols: Range<usize>, block: &mut [f32]) {
+/// Columns `cols` of `x @ w^T`, `w` `[n, k]` (in panels of four rows when `panels`), into
+/// `block` (`[rows, cols.len()]`). `cols` starts at a multiple of four, so each group of four
+/// columns is a panel.
+#[allow(clippy::too_many_arguments)]
+fn matmul_nk(
+    x: &[f32],
+    rows: usize,
+    w: W,
+    k: usize,
+    n: usize,
+    cols: Range<usize>,
+    block: &mut [f32],
+    panels: bool,
+) {
+    debug_assert!(cols.start.is_multiple_of(COLS) && cols.end <= n);
     if rows == 1 {
         match w {
+            W::F32(w) if panels => {
+                for first in cols.clone().step_by(COLS) {
+                    let at = first - cols.start;
+                    if first + COLS <= cols.end {
+                        let panel = &w[first * k..(first + COLS) * k];
+                        block[at..at + COLS].copy_from_slice(&dot_panel(x, panel));
+                    } else {
+                        for j in first..cols.end {
+                            block[j - cols.start] = dot(x, &w[j * k..(j + 1) * k]);
+                        }
+                    }
+                }
+            }
             W::F32(w) => {
                 for (j, o) in cols.zip(block.iter_mut()) {
                     *o = dot(x, &w[j * k..(j + 1) * k]);
@@ -259,8 +329,10 @@ fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, cols: Range<usize>, block: 
     };
     for first in cols.clone().step_by(COLS) {
         let count = COLS.min(cols.end - first);
+        // A whole panel when `panels` (the rows past the last one lie as rows).
+        let in_panel = panels && count == COLS;
         let range = first * k..(first + count) * k;
-        let panel: &[f32] = match w {
+        let four: &[f32] = match w {
             W::F32(w) => &w[range],
             W::F16(_) => {
                 w.to_f32(range, &mut buffer[..count * k]);
@@ -275,18 +347,25 @@ fn matmul_nk(x: &[f32], rows: usize, w: W, k: usize, cols: Range<usize>, block: 
                 // Two rows at a time: each weight loaded once for both (`dot4x2`; four rows
                 // took 20-30% longer in wasm, their sixteen accumulators spilling from the
                 // sixteen SIMD registers of x86-64).
-                let [o0, o1] = dot4x2(xr, &x[(r + 1) * k..(r + 2) * k], panel);
+                let next = &x[(r + 1) * k..(r + 2) * k];
+                let [o0, o1] = if in_panel {
+                    dot4x2_panel(xr, next, four)
+                } else {
+                    dot4x2(xr, next, four)
+                };
                 block[r * width + at..r * width + at + COLS].copy_from_slice(&o0);
                 block[(r + 1) * width + at..(r + 1) * width + at + COLS].copy_from_slice(&o1);
                 r += 2;
                 continue;
             }
             let o = &mut block[r * width + at..r * width + at + count];
-            if count == COLS {
-                o.copy_from_slice(&dot4(xr, panel));
+            if in_panel {
+                o.copy_from_slice(&dot4_panel(xr, four));
+            } else if count == COLS {
+                o.copy_from_slice(&dot4(xr, four));
             } else {
                 for (c, o) in o.iter_mut().enumerate() {
-                    *o = dot(xr, &panel[c * k..(c + 1) * k]);
+                    *o = dot(xr, &four[c * k..(c + 1) * k]);
                 }
             }
             r += 1;
@@ -341,37 +420,52 @@ mod tests {
     use super::*;
 
     /// Split across 2, 3 and 5 parts (threads under the `threads` feature), the output is
-    /// bit-identical to the one-part kernel: f32 and f16 weights, `[k, n]` and `[n, k]`, decode
-    /// (1 row) and prompt (6 rows), N not a multiple of 4.
+    /// bit-identical to the one-part kernel: f32 and f16 weights, every layout, decode (1 row)
+    /// and prompt (7 rows), N not a multiple of 4. And the panel layout of a matrix gives the
+    /// same values as its rows.
     #[test]
     fn column_split_is_bit_identical() {
         let mut next = super::super::testing::uniform(0x2545_f491_4f6c_dd1d);
-        let (k, n) = (70, 4103);
+        let (k, n) = (72, 4103);
         let w32: Vec<f32> = (0..k * n).map(|_| next()).collect();
         let w16: Vec<u16> = w32
             .iter()
             .map(|v| half::f16::from_f32(*v).to_bits())
             .collect();
-        for w in [W::F32(&w32), W::F16(&w16)] {
-            for transposed in [false, true] {
-                for rows in [1, 6] {
-                    let x: Vec<f32> = (0..rows * k).map(|_| next()).collect();
-                    let mut one = vec![0f32; rows * n];
-                    matmul(&x, rows, w, k, n, transposed, 1, &mut one);
-                    assert!(one.iter().any(|v| *v != 0.0));
-                    for parts in [2, 3, 5] {
-                        let mut split = vec![0f32; rows * n];
-                        matmul(&x, rows, w, k, n, transposed, parts, &mut split);
-                        let same = one
-                            .iter()
-                            .zip(&split)
-                            .all(|(a, b)| a.to_bits() == b.to_bits());
-                        let f16 = matches!(w, W::F16(_));
-                        assert!(
-                            same,
-                            "f16={f16} transposed={transposed} rows={rows} parts={parts}"
-                        );
-                    }
+        let mut panels = vec![0f32; k * n];
+        for j in 0..n {
+            for i in 0..k {
+                panels[super::super::linalg::panel_index(j, i, n, k)] = w32[j * k + i];
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let cases = [
+            (W::F32(&w32), Layout::Kn),
+            (W::F32(&w32), Layout::Nk),
+            (W::F32(&panels), Layout::Panels),
+            (W::F16(&w16), Layout::Kn),
+            (W::F16(&w16), Layout::Nk),
+        ];
+        for rows in [1, 7] {
+            let x: Vec<f32> = (0..rows * k).map(|_| next()).collect();
+            let mut by_rows = vec![0f32; rows * n];
+            matmul(&x, rows, W::F32(&w32), k, n, Layout::Nk, 1, &mut by_rows);
+            for (w, layout) in cases {
+                let mut one = vec![0f32; rows * n];
+                matmul(&x, rows, w, k, n, layout, 1, &mut one);
+                assert!(one.iter().any(|v| *v != 0.0));
+                if layout == Layout::Panels {
+                    assert_eq!(bits(&one), bits(&by_rows), "panels, rows={rows}");
+                }
+                for parts in [2, 3, 5] {
+                    let mut split = vec![0f32; rows * n];
+                    matmul(&x, rows, w, k, n, layout, parts, &mut split);
+                    let f16 = matches!(w, W::F16(_));
+                    assert_eq!(
+                        bits(&one),
+                        bits(&split),
+                        "f16={f16} {layout:?} rows={rows} parts={parts}"
+                    );
                 }
             }
         }
