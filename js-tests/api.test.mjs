@@ -279,4 +279,27 @@ test("Blob and Response sources are streamed into the engine and load the same m
   assert.equal(last.total, bytes.model.length);
   // An empty streamed file is the same error as empty bytes.
   await assert.rejects(Model.load({ ...bytes, model: new Blob([]) }), /model.onnx is empty|is empty/);
+  // A body in many small chunks: a byte stream (read into one reused buffer) and a stream that
+  // is not one (read chunk by chunk).
+  const pieces = (type) => {
+    let at = 0;
+    return new ReadableStream({
+      type,
+      pull(c) {
+        if (at >= bytes.model.length) {
+          c.close();
+          // A byte stream's pending read into a buffer ends when that buffer is returned.
+          if (c.byobRequest) c.byobRequest.respond(0);
+          return;
+        }
+        // A copy: a byte stream takes over the buffer it is given.
+        c.enqueue(new Uint8Array(bytes.model.subarray(at, at + 1000)));
+        at += 1000;
+      },
+    });
+  };
+  for (const type of ["bytes", undefined]) {
+    const streamed = await Model.load({ ...bytes, model: new Response(pieces(type)) });
+    assert.deepEqual((await streamed.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN, `${type} stream`);
+  }
 });
