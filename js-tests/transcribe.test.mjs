@@ -113,6 +113,16 @@ test("Model.fromUrl finds the encoder and the preprocessor config of a served fo
   }
 });
 
+test("an encoder given as a Blob is decoded as it streams in, and a broken one is named", async () => {
+  const files = await whisperFiles(tinyDir);
+  const m = await Model.load({ ...files, encoder: new Blob([files.encoder]) });
+  const pcm = new Float32Array(16000);
+  assert.deepEqual((await m.transcribe(pcm, { language: "en" })).token_ids, (await tiny.transcribe(pcm, { language: "en" })).token_ids);
+  m.free();
+  const cut = new Blob([files.encoder.subarray(0, files.encoder.length >> 1)]);
+  await assert.rejects(Model.load({ ...files, encoder: cut }), /encoder_model\.onnx/);
+});
+
 const realRoot = process.env.ONNX_GENERATE_REAL_MODELS
   ? new URL(`file://${process.env.ONNX_GENERATE_REAL_MODELS.replace(/\/?$/, "/")}`)
   : new URL(".realmodels/", root);

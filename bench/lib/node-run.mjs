@@ -1,9 +1,9 @@
 // One benchmark run in its own Node process, so its peak RSS is its own:
 //   node bench/lib/node-run.mjs '<spec as JSON>'
 // prints one line `BENCH_RESULT <json>`. The spec comes from bench.mjs (see runSpec there).
-// onnx-generate loads the package in ../../pkg (or --pkg's folder) with Model.load: the ONNX graph as
-// a Blob of the file (fs.openAsBlob: streamed into the engine, as a page's fetch is), the rest as
-// bytes read from disk;
+// onnx-generate loads the package in ../../pkg (or --pkg's folder) with Model.load: the ONNX graph
+// (and a speech model's encoder) as a Blob of the file (fs.openAsBlob: streamed into the engine, as
+// a page's fetch is), the rest as bytes read from disk;
 // transformers.js runs on onnxruntime-web's wasm backend (not onnxruntime-node), with
 // `threads` wasm threads.
 import { existsSync, openAsBlob } from "node:fs";
@@ -34,7 +34,7 @@ async function onnxGenerate() {
     return pkg.Model.load({
       model: await openAsBlob(join(dir, spec.model.onnx)),
       external_data: await optional(`${spec.model.onnx}.data`),
-      encoder: spec.speech ? await readFile(join(dir, spec.speech.encoder)) : undefined,
+      encoder: spec.speech ? await openAsBlob(join(dir, spec.speech.encoder)) : undefined,
       encoder_external_data: spec.speech ? await optional(`${spec.speech.encoder}.data`) : undefined,
       preprocessor_config: await optional("preprocessor_config.json"),
       config: await readFile(join(dir, "config.json")),

@@ -27,6 +27,8 @@ pub struct ModelFiles {
     /// the decoder: `decoder_model_merged.onnx`, or `decoder_with_past_model.onnx` of the
     /// split pair whose first-step graph `decoder_model.onnx` is `first_decoder`.
     pub encoder: Option<Vec<u8>>,
+    /// The encoder, already decoded (as `model_proto`): used instead of `encoder`.
+    pub encoder_proto: Option<super::onnx::Decoded>,
     pub encoder_external_data: Option<Vec<u8>>,
     pub first_decoder: Option<Vec<u8>>,
     pub first_decoder_external_data: Option<Vec<u8>>,

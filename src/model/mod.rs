@@ -32,6 +32,14 @@ enum Graph {
     Decoded(Box<Decoded>),
 }
 
+/// What `Model::load_owned` takes out of the files: the decoder graph, its external data, and
+/// an encoder decoded as it streamed in.
+struct Owned {
+    graph: Graph,
+    external: Option<Vec<u8>>,
+    encoder: Option<Decoded>,
+}
+
 /// The compiled graphs of a model.
 #[derive(Debug)]
 enum Engine {
@@ -77,11 +85,18 @@ impl Model {
             None => Graph::Bytes(std::mem::take(&mut files.model)),
         };
         let external = files.external_data.take();
-        Self::load_from(&files, Some((graph, external)))
+        let encoder = files.encoder_proto.take();
+        Self::load_from(
+            &files,
+            Some(Owned {
+                graph,
+                external,
+                encoder,
+            }),
+        )
     }
 
-    /// `owned`: the decoder graph and its external data, taken out of `files`.
-    fn load_from(files: &ModelFiles, owned: Option<(Graph, Option<Vec<u8>>)>) -> Result<Model> {
+    fn load_from(files: &ModelFiles, owned: Option<Owned>) -> Result<Model> {
         let config: serde_json::Value = serde_json::from_slice(&files.config)
             .map_err(|e| Error::Model(format!("config.json is not valid JSON: {e}")))?;
         if !config.is_object() {
@@ -95,6 +110,14 @@ impl Model {
         let inline = |proto| Decoded {
             proto,
             apart: Apart::new(),
+        };
+        let (owned, encoder_decoded) = match owned {
+            Some(Owned {
+                graph,
+                external,
+                encoder,
+            }) => (Some((graph, external)), encoder),
+            None => (None, files.encoder_proto.clone()),
         };
         let decoded = match owned {
             // Dropped at the end of this arm, before tract reads the graph.
@@ -138,14 +161,16 @@ impl Model {
             .map_err(|e| {
                 Error::Model(format!("preprocessor_config.json is not valid JSON: {e}"))
             })?;
-        let engine = match &files.encoder {
-            Some(encoder) => {
-                let mut encoder = onnx::decode(
-                    encoder,
-                    files.encoder_external_data.as_deref(),
-                    "encoder_model.onnx",
-                )?;
-                weights::runtime_matmuls(&mut encoder);
+        const ENCODER: &str = "encoder_model.onnx";
+        let encoder_data = files.encoder_external_data.as_deref();
+        let encoder = match (encoder_decoded, &files.encoder) {
+            (Some(decoded), _) => Some(onnx::prepare(decoded, encoder_data, ENCODER)?),
+            (None, Some(bytes)) => Some(inline(onnx::decode(bytes, encoder_data, ENCODER)?)),
+            (None, None) => None,
+        };
+        let engine = match encoder {
+            Some(mut encoder) => {
+                weights::runtime_matmuls(&mut encoder.proto);
                 let first = files
                     .first_decoder
                     .as_ref()

@@ -107,7 +107,7 @@ pub struct Seq2Seq {
 
 /// The ONNX graphs of an encoder-decoder model, handed over: each is dropped once parsed.
 pub struct Seq2SeqGraphs {
-    pub encoder: pb::ModelProto,
+    pub encoder: Decoded,
     /// `decoder_model_merged.onnx`, or `decoder_with_past_model.onnx` of the split pair.
     pub decoder: Decoded,
     /// `decoder_model.onnx` of the split pair.
@@ -118,6 +118,7 @@ impl Seq2Seq {
     pub fn new(graphs: Seq2SeqGraphs, sig: Arc<Signature>, vocab: usize) -> Result<Self> {
         let encoder_sig = graphs
             .encoder
+            .proto
             .graph
             .as_ref()
             .map(|g| g.input.iter().map(|i| i.name.clone()).collect::<Vec<_>>())
@@ -130,7 +131,13 @@ impl Seq2Seq {
             )));
         }
         let none = HashMap::new();
-        let encoder = parse_graph_owned(graphs.encoder, &sig, &none)?;
+        let Decoded {
+            proto: mut encoder,
+            apart,
+        } = graphs.encoder;
+        let encoder_tensors = shared_initializers(&mut encoder, apart)?;
+        let encoder = parse_graph_owned(encoder, &sig, &encoder_tensors)?;
+        drop(encoder_tensors);
         let Decoded {
             proto: mut decoder,
             apart,

@@ -109,9 +109,10 @@ pub struct JsModel {
 
 /// The files whose bodies `js/helpers.js` streams into wasm memory chunk by chunk (Responses and
 /// URLs): no JavaScript copy of a whole file is made, so a model fetched from a URL is held once
-/// (here) until it is decoded, not also in the JavaScript heap. The decoder graph (`model`) is
-/// decoded as it arrives (`onnx::StreamDecoder`), its large initializers straight into the
-/// buffers of their tensors: its bytes are never held whole, and its weights once.
+/// (here) until it is decoded, not also in the JavaScript heap. The decoder graph (`model`) and
+/// an encoder-decoder's encoder (`encoder`) are decoded as they arrive (`onnx::StreamDecoder`),
+/// their large initializers straight into the buffers of their tensors: their bytes are never
+/// held whole, and their weights once.
 struct Received {
     files: Rc<RefCell<HashMap<String, Incoming>>>,
     /// `sink(file, chunk, total)` for `js/helpers.js`; alive while the files are read.
@@ -125,8 +126,11 @@ enum Incoming {
     Onnx(Box<StreamDecoder>),
 }
 
-/// The file decoded as it streams in.
+/// The file decoded as it streams in: the decoder graph.
 const STREAMED_GRAPH: &str = "model";
+
+/// An encoder-decoder's encoder graph, also decoded as it streams in.
+const STREAMED_ENCODER: &str = "encoder";
 
 /// How much of a file given as bytes is copied into wasm memory at a time for the decoder.
 const FEED_CHUNK: u32 = 1 << 20;
@@ -146,7 +150,7 @@ impl Received {
         let sink = Closure::new(move |file: String, chunk: Uint8Array, total: JsValue| {
             let mut files = into.borrow_mut();
             let incoming = files.entry(file.clone()).or_insert_with(|| {
-                if file == STREAMED_GRAPH {
+                if file == STREAMED_GRAPH || file == STREAMED_ENCODER {
                     return Incoming::Onnx(Box::new(StreamDecoder::new_apart(&file)));
                 }
                 // The announced length, so the buffer is not regrown (each regrowth would hold
@@ -262,7 +266,9 @@ fn model_from_bytes(bytes: &JsValue, received: &Received) -> Result<JsModel, JsV
         config: required("config")?,
         generation_config: file("generation_config"),
         tokenizer: required("tokenizer")?,
-        encoder: file("encoder"),
+        encoder_proto: received
+            .take_graph(bytes, STREAMED_ENCODER, "encoder_model.onnx")
+            .map_err(js_error)?,
         encoder_external_data: file("encoder_external_data"),
         preprocessor_config: file("preprocessor_config"),
         embed_tokens: file("embed_tokens"),
