@@ -302,4 +302,12 @@ test("Blob and Response sources are streamed into the engine and load the same m
     const streamed = await Model.load({ ...bytes, model: new Response(pieces(type)) });
     assert.deepEqual((await streamed.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN, `${type} stream`);
   }
+  // A Content-Length beyond wasm memory (a wrong header) is not reserved: the files still load.
+  const wrong = { headers: { "content-length": String(2 ** 40) } };
+  const told = await Model.load({
+    ...bytes,
+    model: new Response(bytes.model, wrong),
+    tokenizer: new Response(bytes.tokenizer, wrong),
+  });
+  assert.deepEqual((await told.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN, "wrong Content-Length");
 });

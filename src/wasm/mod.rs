@@ -164,13 +164,16 @@ impl Received {
             let mut files = into.borrow_mut();
             let incoming = files.entry(file.clone()).or_insert_with(|| {
                 // The announced length, so the buffer is not regrown (each regrowth would hold
-                // the old and the new buffer at once).
+                // the old and the new buffer at once); a length that cannot be reserved (a wrong
+                // Content-Length) is not, rather than aborting the instance.
                 let total = total.as_f64().filter(|t| *t > 0.0).unwrap_or(0.0) as usize;
                 if file == STREAMED_GRAPH || file == STREAMED_ENCODER {
                     reserve_heap(total);
                     return Incoming::Onnx(Box::new(StreamDecoder::new_apart(&file)));
                 }
-                Incoming::Bytes(Vec::with_capacity(total))
+                let mut bytes = Vec::new();
+                let _ = bytes.try_reserve_exact(total);
+                Incoming::Bytes(bytes)
             });
             match incoming {
                 Incoming::Bytes(bytes) => {
