@@ -26,7 +26,7 @@ use tract_onnx::pb;
 
 use crate::error::{Error, Result};
 use crate::model::onnx::Apart;
-use crate::model::ops::linalg::PANEL;
+use crate::model::ops::linalg::{transpose_nk, transpose_panels};
 use crate::model::ops::matmul_weights::Layout;
 use tract_onnx::prelude::Tensor;
 
@@ -350,9 +350,9 @@ fn transpose_matrix(
         )));
     }
     match (layout, size) {
-        (Layout::Panels, 4) if k.is_multiple_of(4) => transpose_to_panels(bytes, k, n),
-        (Layout::Nk, 2) => transpose_values::<2>(bytes, k, n),
-        (Layout::Nk, 4) => transpose_values::<4>(bytes, k, n),
+        (Layout::Panels, 4) if k.is_multiple_of(4) => transpose_values::<4>(bytes, k, n, true),
+        (Layout::Nk, 2) => transpose_values::<2>(bytes, k, n, false),
+        (Layout::Nk, 4) => transpose_values::<4>(bytes, k, n, false),
         _ => {
             return Err(Error::Model(format!(
                 "tensor `{}`: cannot store it {layout:?}",
@@ -364,48 +364,15 @@ fn transpose_matrix(
     Ok(())
 }
 
-/// `bytes`, a `[k, n]` matrix of `S`-byte values, as `[n, k]`.
-fn transpose_values<const S: usize>(bytes: &mut [u8], k: usize, n: usize) {
-    let src = bytes.to_vec();
-    // In tiles of 16 x 16 values, so that reads and writes both stay within a few cache lines.
-    const TILE: usize = 16;
-    for i0 in (0..k).step_by(TILE) {
-        for j0 in (0..n).step_by(TILE) {
-            for j in j0..(j0 + TILE).min(n) {
-                for i in i0..(i0 + TILE).min(k) {
-                    let (d, s) = ((j * k + i) * S, (i * n + j) * S);
-                    bytes[d..d + S].copy_from_slice(&src[s..s + S]);
-                }
-            }
-        }
-    }
-}
-
-/// `bytes`, a `[k, n]` matrix of f32 (`k` a multiple of four), as `[n, k]` in panels
-/// (`linalg::panel_index`). A panel's four values of four rows are 64 contiguous bytes, so the
-/// output is written in order, a block at a time, each block read from four rows of the input
-/// (the index of every value computed apart took 1.3 s of fp32 SmolLM2's load in Node).
-fn transpose_to_panels(bytes: &mut [u8], k: usize, n: usize) {
-    const { assert!(PANEL == 4) };
-    debug_assert!(k.is_multiple_of(4) && bytes.len() == k * n * 4);
-    let src = bytes.to_vec();
-    let full = n / PANEL * PANEL;
-    let quads = k / 4;
-    for (b, block) in bytes[..full * k * 4].chunks_exact_mut(64).enumerate() {
-        let (j, i) = (b / quads * PANEL, b % quads * 4);
-        for r in 0..4 {
-            let row = &src[((i + r) * n + j) * 4..((i + r) * n + j + PANEL) * 4];
-            for (c, v) in row.chunks_exact(4).enumerate() {
-                block[(c * 4 + r) * 4..(c * 4 + r + 1) * 4].copy_from_slice(v);
-            }
-        }
-    }
-    // The last `n % PANEL` columns lie as rows.
-    for j in full..n {
-        for i in 0..k {
-            let (d, s) = ((j * k + i) * 4, (i * n + j) * 4);
-            bytes[d..d + 4].copy_from_slice(&src[s..s + 4]);
-        }
+/// `bytes`, a `[k, n]` matrix of `S`-byte values, as `[n, k]` (in panels when `panels`), in
+/// place from one copy.
+fn transpose_values<const S: usize>(bytes: &mut [u8], k: usize, n: usize, panels: bool) {
+    let copy = bytes.to_vec();
+    let (src, dst) = (copy.as_chunks::<S>().0, bytes.as_chunks_mut::<S>().0);
+    if panels {
+        transpose_panels(src, k, n, dst);
+    } else {
+        transpose_nk(src, k, n, dst);
     }
 }
 
@@ -438,12 +405,12 @@ mod tests {
             let src = matrix::<4>(k, n);
             let value = |bytes: &[u8], at: usize| bytes[at * 4..at * 4 + 4].to_vec();
             let mut nk = src.clone();
-            transpose_values::<4>(&mut nk, k, n);
+            transpose_values::<4>(&mut nk, k, n, false);
             let mut f16 = matrix::<2>(k, n);
-            transpose_values::<2>(&mut f16, k, n);
+            transpose_values::<2>(&mut f16, k, n, false);
             let mut panels = src.clone();
             if k % 4 == 0 {
-                transpose_to_panels(&mut panels, k, n);
+                transpose_values::<4>(&mut panels, k, n, true);
             }
             for i in 0..k {
                 for j in 0..n {

@@ -14,7 +14,7 @@ use tract_onnx::prelude::*;
 use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
-use super::linalg::{axpy_rows, panel_index};
+use super::linalg::{axpy_rows, transpose_nk, transpose_panels};
 use super::matmul_weights::{self, Layout};
 
 /// From this many rows of `A` (a prompt, an encoder), `B` is transposed for the prompt kernel;
@@ -145,14 +145,9 @@ impl EvalOp for RuntimeOp {
                     Layout::Nk
                 };
                 transposed.resize(k * n, 0.0);
-                for (i, row) in wb.chunks_exact(n.max(1)).enumerate() {
-                    for (j, v) in row.iter().enumerate() {
-                        let at = match layout {
-                            Layout::Panels => panel_index(j, i, n, k),
-                            _ => j * k + i,
-                        };
-                        transposed[at] = *v;
-                    }
+                match layout {
+                    Layout::Panels => transpose_panels(wb, k, n, &mut transposed),
+                    _ => transpose_nk(wb, k, n, &mut transposed),
                 }
                 matmul_weights::matmul_f32_nk(xb, m, &transposed, k, n, layout, c);
             } else {
