@@ -319,7 +319,6 @@ pub(crate) fn shared_initializers(
     mut apart: Apart,
 ) -> Result<HashMap<String, Arc<Tensor>>> {
     let mut typed = HashMap::new();
-    let onnx = super::ops::onnx();
     for t in proto
         .graph
         .iter_mut()
@@ -332,10 +331,9 @@ pub(crate) fn shared_initializers(
                 t.raw_data = bytes.as_bytes().to_vec();
             }
         } else if t.raw_data.len() >= super::ops::LARGE_INITIALIZER && is_number(t.data_type) {
-            let tensor = tract_onnx::tensor::load_tensor(&*onnx.provider, t, None)
-                .map_err(|e| Error::Model(format!("initializer `{}`: {e}", t.name)))?;
+            let tensor = load_initializer(t)?;
             t.raw_data = Vec::new();
-            typed.insert(t.name.clone(), tensor.into_arc_tensor());
+            typed.insert(t.name.clone(), tensor);
         }
     }
     if let Some(name) = apart.keys().next() {
@@ -344,6 +342,13 @@ pub(crate) fn shared_initializers(
         )));
     }
     Ok(typed)
+}
+
+/// An initializer's tensor, converted by tract from its protobuf.
+fn load_initializer(t: &pb::TensorProto) -> Result<Arc<Tensor>> {
+    tract_onnx::tensor::load_tensor(&*super::ops::onnx().provider, t, None)
+        .map(|t| t.into_arc_tensor())
+        .map_err(|e| Error::Model(format!("initializer `{}`: {e}", t.name)))
 }
 
 /// [`parse_graph`] of a graph the caller hands over: its large initializers become tract
@@ -364,15 +369,12 @@ pub(crate) fn parse_graph_owned(
             t.raw_data.len() >= super::ops::LARGE_INITIALIZER || apart.contains_key(&t.name)
         });
     graph.initializer = small;
-    let onnx = super::ops::onnx();
     let mut tensors = Vec::with_capacity(large.len());
     for t in large {
         let info = super::ops::InitializerInfo::of(&t);
         let tensor = match apart.get(&t.name) {
             Some(tensor) => tensor.clone(),
-            None => tract_onnx::tensor::load_tensor(&*onnx.provider, &t, None)
-                .map_err(|e| Error::Model(format!("initializer `{}`: {e}", t.name)))?
-                .into_arc_tensor(),
+            None => load_initializer(&t)?,
         };
         drop(t);
         tensors.push((info, tensor));
