@@ -619,3 +619,13 @@ fn int8_kernel_is_exact() {
         }
     }
 }
+
+#[path = "../support/nbits.rs"]
+mod nbits;
+
+/// The simd128 4-bit decode kernel of `MatMulNBits` (16-bit row, integer dot products) within
+/// the rounding bound of the row (tests/support/nbits.rs; natively tests/nbits_decode.rs).
+#[wasm_bindgen_test]
+fn q4_decode_kernel_is_within_the_rounding_bound() {
+    nbits::check_q4_decode();
+}

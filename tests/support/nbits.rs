@@ -1,0 +1,94 @@
+//! `MatMulNBits` decoding (one row of `A`: `model::ops::matmul_nbits`, which rounds the row to
+//! 16-bit integers per group of 32) against the sums in f64 of the dequantized weights. Shared
+//! by a native test (tests/nbits_decode.rs) and a wasm test (the simd128 kernel; tests/wasm_api).
+#![allow(dead_code)]
+
+use onnx_generate::model::ops::matmul_nbits::{matmul, NBits, Zero};
+
+/// Each output is within the rounding bound of the 16-bit row (half of 1/32767 of its group's
+/// largest magnitude, times the weight, summed) plus f32 rounding; a NaN in the row gives NaN.
+pub fn check_q4_decode() {
+    let mut state = 0x243f_6a88_85a3_08d3u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 32) as u32
+    };
+    // Block size, K (a partial last block for 200 and 130), N, packed zero points.
+    for (bs, k, n, packed) in [
+        (32, 96, 7, false),
+        (32, 200, 5, true),
+        (128, 384, 6, false),
+        (64, 130, 9, true),
+    ] {
+        let op = NBits {
+            k,
+            n,
+            bits: 4,
+            block_size: bs,
+            zero_points: None,
+            bias: None,
+            inputs: 3,
+            label: "q4".into(),
+        };
+        let blocks = k.div_ceil(bs);
+        let zp_blob = blocks.div_ceil(2);
+        let b: Vec<u8> = (0..n * blocks * bs / 2).map(|_| next() as u8).collect();
+        let scales: Vec<f32> = (0..n * blocks)
+            .map(|_| (next() % 1000) as f32 / 4000.0 + 0.01)
+            .collect();
+        let zp_bytes: Vec<u8> = (0..n * zp_blob).map(|_| next() as u8).collect();
+        // Values in [-1, 1], and an outlier sixty times larger every 37 (as activations have).
+        let a: Vec<f32> = (0..k)
+            .map(|i| {
+                let v = (next() % 2001) as f32 / 1000.0 - 1.0;
+                if i % 37 == 5 {
+                    v * 60.0
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let zero = |col: usize, blk: usize| {
+            if packed {
+                ((zp_bytes[col * zp_blob + blk / 2] >> (4 * (blk % 2))) & 15) as f64
+            } else {
+                8.0
+            }
+        };
+        let zp = if packed {
+            Zero::Packed(&zp_bytes)
+        } else {
+            Zero::Default
+        };
+        let mut got = vec![0f32; n];
+        matmul(&op, &a, 1, &b, &scales, &zp, &mut got).unwrap();
+        let group_max = |i: usize| {
+            let g = i / 32 * 32;
+            a[g..(g + 32).min(k)]
+                .iter()
+                .fold(0f32, |m, v| m.max(v.abs())) as f64
+        };
+        for (col, got) in got.iter().enumerate() {
+            let (mut want, mut bound, mut magnitude) = (0f64, 0f64, 0f64);
+            for (i, x) in a.iter().enumerate() {
+                let byte = b[(col * blocks + i / bs) * bs / 2 + (i % bs) / 2];
+                let q = if i % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
+                let w = (q - zero(col, i / bs)) * scales[col * blocks + i / bs] as f64;
+                want += w * *x as f64;
+                magnitude += (w * *x as f64).abs();
+                bound += w.abs() * 0.5 * group_max(i) / 32767.0;
+            }
+            let err = (*got as f64 - want).abs();
+            assert!(
+                err <= bound + 1e-6 * magnitude,
+                "bs={bs} k={k} col={col}: {got} vs {want} (error {err:e}, bound {bound:e})"
+            );
+        }
+        let mut with_nan = a.clone();
+        with_nan[k / 2] = f32::NAN;
+        matmul(&op, &with_nan, 1, &b, &scales, &zp, &mut got).unwrap();
+        assert!(got.iter().all(|v| v.is_nan()), "bs={bs} k={k}: {got:?}");
+    }
+}
