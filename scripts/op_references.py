@@ -216,6 +216,25 @@ def main():
          {"a": f32(3, 16)},
          {"w": w, "wz": np.array(0, np.int8), "ws": np.array(0.02, np.float32)})
 
+    # One-dimensional convolutions (src/model/ops/conv1d.rs): Whisper's two (kernel 3, pads 1,
+    # strides 1 and 2), asymmetric pads without bias, and a grouped, dilated one for tract.
+    def conv1d(name, x, w, bias, **attrs):
+        inits = {"w": w}
+        names = ["x", "w"]
+        if bias:
+            inits["b"] = f32(w.shape[0])
+            names.append("b")
+        save(name, [helper.make_node("Conv", names, ["y"], **attrs)], {"x": x}, inits)
+
+    conv1d("conv1d_k3_s1_p1_bias", f32(1, 5, 19), f32(9, 5, 3), True,
+           kernel_shape=[3], pads=[1, 1], strides=[1])
+    conv1d("conv1d_k3_s2_p1_batch2", f32(2, 6, 20), f32(7, 6, 3), True,
+           kernel_shape=[3], pads=[1, 1], strides=[2])
+    conv1d("conv1d_k4_s3_asymmetric_pads_no_bias", f32(1, 4, 23), f32(10, 4, 4), False,
+           pads=[2, 0], strides=[3])
+    conv1d("conv1d_grouped_dilated", f32(1, 4, 12), f32(6, 2, 3), True,
+           group=2, dilations=[2], pads=[1, 1])
+
 
 if __name__ == "__main__":
     main()

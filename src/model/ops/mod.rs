@@ -9,6 +9,7 @@
 //! float arithmetic in compiled plans; `linalg` and `parallel` are the kernels' shared parts.
 
 pub mod binary;
+pub mod conv1d;
 pub mod gather_block_quantized;
 pub mod group_query_attention;
 pub mod linalg;
@@ -43,6 +44,10 @@ pub fn register(reg: &mut OnnxOpRegister) {
         let _ = matmul_integer::TRACT_BUILDER.set(tract);
     }
     reg.insert("MatMulInteger", matmul_integer::matmul_integer);
+    if let Some(&tract) = reg.0.get("Conv") {
+        let _ = conv1d::TRACT_BUILDER.set(tract);
+    }
+    reg.insert("Conv", conv1d::conv);
     reg.insert(
         "GatherBlockQuantized",
         gather_block_quantized::gather_block_quantized,
