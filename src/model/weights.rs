@@ -1,10 +1,11 @@
 //! Weight-bound `MatMul`s before tract sees a graph: the weights are read where they lie.
 //!
-//! * A `MatMul` whose `B` is a float32 or float16 matrix initializer that no other node reads
+//! * A `MatMul` whose `B` is a float32 or float16 matrix initializer that only `MatMul`s read
+//!   (as their `B`; in subgraphs too, such as both branches of a merged decoder's `If`)
 //!   becomes a `MatMulWeights` node (`ops/matmul_weights.rs`), the matrix transposed to `[N, K]`
 //!   in place, in panels of four rows for f32 (one dot product per output when decoding; tract
-//!   would keep its template's copy and a packed copy). Read by several nodes, a float16 matrix
-//!   is read as `[K, N]`.
+//!   would keep its template's copy and a packed copy). Read by other nodes too, a float16
+//!   matrix is read as `[K, N]`.
 //! * A `MatMul` whose `B` is the `Transpose` of a rank-2 initializer (a tied `lm_head` reading
 //!   the embedding table) becomes a `MatMulWeights` node reading the table itself: tract would
 //!   otherwise keep a transposed copy and a packed copy of it.
@@ -69,12 +70,14 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         .map(|t| t.name.clone())
         .collect();
     let transposed = transposed_matrices(&graph.node, &matrices);
-    // How many node inputs read each value (a matrix is transposed in place only when one
-    // MatMul alone reads it).
-    let mut readers: HashMap<&str, usize> = HashMap::new();
-    for input in graph.node.iter().flat_map(|n| &n.input) {
-        *readers.entry(input.as_str()).or_default() += 1;
-    }
+    // How many reads each value has in the graph and its subgraphs, and how many of those are
+    // the `B` of a `MatMul`: a matrix is transposed in place only when `MatMul`s alone read it
+    // (one at the top level, or one in each branch of a merged decoder's `If`).
+    let mut readers: HashMap<String, Reads> = HashMap::new();
+    count_reads(&graph.node, &mut readers);
+    // A subgraph's own initializer of the same name would hide the matrix from its nodes.
+    let mut shadowed = HashSet::new();
+    subgraph_initializers(&graph.node, &mut shadowed);
     // The initializers whose data are bytes (`raw_data`, or kept apart), which transpose in place.
     let in_bytes: HashSet<&str> = graph
         .initializer
@@ -82,39 +85,37 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         .filter(|t| !t.raw_data.is_empty() || apart.contains_key(&t.name))
         .map(|t| t.name.as_str())
         .collect();
-    let only_b: HashSet<String> = graph
-        .node
-        .iter()
-        .filter(|n| n.op_type == "MatMul" && n.domain.is_empty() && n.input.len() == 2)
-        .map(|n| &n.input[1])
-        .filter(|b| {
-            readers.get(b.as_str()) == Some(&1) && !graph.output.iter().any(|o| &o.name == *b)
-        })
-        .filter(|b| matrices.contains(*b) && in_bytes.contains(b.as_str()))
-        .cloned()
-        .collect();
-    drop((readers, in_bytes));
     // The f32 matrices `[K, N]` with K a multiple of four, which transpose into panels.
-    let panel_ready: HashSet<String> = graph
+    let panel_ready: HashSet<&str> = graph
         .initializer
         .iter()
         .filter(|t| t.data_type == FLOAT && t.dims.len() == 2 && t.dims[0] % 4 == 0)
-        .map(|t| t.name.clone())
+        .map(|t| t.name.as_str())
         .collect();
-    let mut transpose: HashMap<String, Layout> = HashMap::new();
+    // The matrices transposed in place, and their layout.
+    let transpose: HashMap<String, Layout> = readers
+        .iter()
+        .filter(|(_, reads)| reads.all > 0 && reads.all == reads.matmul_b)
+        .filter(|(b, _)| !graph.output.iter().any(|o| &o.name == *b) && !shadowed.contains(*b))
+        .filter(|(b, _)| matrices.contains(*b) && in_bytes.contains(b.as_str()))
+        .map(|(b, _)| {
+            let layout = if panel_ready.contains(b.as_str()) {
+                Layout::Panels
+            } else {
+                Layout::Nk
+            };
+            (b.clone(), layout)
+        })
+        .collect();
+    drop((readers, in_bytes, panel_ready));
     let mut kept_f16: HashSet<String> = HashSet::new();
+    weights_in_subgraphs(&mut graph.node, &transpose, &mut kept_f16);
     let mut nodes = Vec::with_capacity(graph.node.len());
     for mut node in std::mem::take(&mut graph.node) {
         let b = node.input.get(1).cloned().unwrap_or_default();
-        if node.op_type == "MatMul" && node.domain.is_empty() && node.input.len() == 2 {
+        if is_plain_matmul(&node) {
             let f16 = f16_matrices.contains(&b);
-            let weight = if only_b.contains(&b) {
-                let layout = if panel_ready.contains(&b) {
-                    Layout::Panels
-                } else {
-                    Layout::Nk
-                };
-                transpose.insert(b.clone(), layout);
+            let weight = if let Some(&layout) = transpose.get(&b) {
                 Some((b.clone(), layout))
             } else if f16 {
                 Some((b.clone(), Layout::Kn))
@@ -184,6 +185,78 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
     }
     graph.value_info.clear();
     rewrite_nodes(&mut graph.node)
+}
+
+/// How a value is read: by how many node inputs (and subgraph outputs), and how many of those
+/// are the `B` of a plain `MatMul`.
+#[derive(Default)]
+struct Reads {
+    all: usize,
+    matmul_b: usize,
+}
+
+/// An ONNX `MatMul` of two inputs.
+fn is_plain_matmul(node: &pb::NodeProto) -> bool {
+    node.op_type == "MatMul" && node.domain.is_empty() && node.input.len() == 2
+}
+
+/// The subgraphs of `nodes` (an `If`'s branches, a `Loop`'s body).
+fn subgraphs(nodes: &[pb::NodeProto]) -> impl Iterator<Item = &pb::GraphProto> {
+    nodes
+        .iter()
+        .flat_map(|n| n.attribute.iter().filter_map(|a| a.g.as_ref()))
+}
+
+/// Adds the reads of `nodes` and of their subgraphs to `reads`.
+fn count_reads(nodes: &[pb::NodeProto], reads: &mut HashMap<String, Reads>) {
+    for node in nodes {
+        for (i, input) in node.input.iter().enumerate() {
+            let r = reads.entry(input.clone()).or_default();
+            r.all += 1;
+            r.matmul_b += (i == 1 && is_plain_matmul(node)) as usize;
+        }
+    }
+    for g in subgraphs(nodes) {
+        for o in &g.output {
+            reads.entry(o.name.clone()).or_default().all += 1;
+        }
+        count_reads(&g.node, reads);
+    }
+}
+
+/// The initializers of the subgraphs of `nodes`, at any depth.
+fn subgraph_initializers(nodes: &[pb::NodeProto], names: &mut HashSet<String>) {
+    for g in subgraphs(nodes) {
+        names.extend(g.initializer.iter().map(|t| t.name.clone()));
+        subgraph_initializers(&g.node, names);
+    }
+}
+
+/// In the subgraphs of `nodes`, the `MatMul`s by a matrix of `transpose` become
+/// `MatMulWeights` reading it in its layout (a merged decoder's weights are read from both
+/// branches of its `If`: tract multiplied them there, for Whisper base's decoder with its
+/// matrix-vector kernel at every step and its 8x8 kernel for the 1500 encoder frames of the
+/// cross-attention's keys and values).
+fn weights_in_subgraphs(
+    nodes: &mut [pb::NodeProto],
+    transpose: &HashMap<String, Layout>,
+    kept_f16: &mut HashSet<String>,
+) {
+    let graphs = nodes
+        .iter_mut()
+        .flat_map(|n| n.attribute.iter_mut().filter_map(|a| a.g.as_mut()));
+    for g in graphs {
+        for node in g.node.iter_mut() {
+            if let Some(&layout) = transpose.get(&node.input.get(1).cloned().unwrap_or_default()) {
+                if is_plain_matmul(node) {
+                    node.op_type = MATMUL_WEIGHTS.into();
+                    node.attribute.push(layout_attribute(layout));
+                    kept_f16.insert(node.input[1].clone());
+                }
+            }
+        }
+        weights_in_subgraphs(&mut g.node, transpose, kept_f16);
+    }
 }
 
 /// The `MatMul`s of a decoder graph whose `B` is no initializer (the attention products) become
@@ -424,5 +497,63 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A merged decoder: both branches of an `If` multiply by the matrix `w`, which becomes
+    /// `MatMulWeights` in both, transposed once into panels; `e`, also gathered at the top
+    /// level, stays a `MatMul` of the matrix as it was.
+    #[test]
+    fn matrices_read_by_the_branches_of_an_if_are_weights() {
+        let (k, n) = (8, 4);
+        let init = |name: &str| pb::TensorProto {
+            name: name.into(),
+            data_type: FLOAT,
+            dims: vec![k as i64, n as i64],
+            raw_data: matrix::<4>(k, n),
+            ..Default::default()
+        };
+        let node = |op: &str, inputs: &[&str], output: &str| pb::NodeProto {
+            op_type: op.into(),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: vec![output.into()],
+            ..Default::default()
+        };
+        let branch = |name: &str| pb::AttributeProto {
+            name: name.into(),
+            g: Some(pb::GraphProto {
+                node: vec![
+                    node("MatMul", &["x", "w"], &format!("{name}_w")),
+                    node("MatMul", &["x", "e"], &format!("{name}_e")),
+                ],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut if_node = node("If", &["cond"], "y");
+        if_node.attribute = vec![branch("then_branch"), branch("else_branch")];
+        let mut proto = pb::ModelProto {
+            graph: Some(pb::GraphProto {
+                node: vec![if_node, node("Gather", &["e", "ids"], "rows")],
+                initializer: vec![init("w"), init("e")],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        rewrite(&mut proto, &mut Apart::default()).unwrap();
+        let graph = proto.graph.unwrap();
+        for attr in &graph.node[0].attribute {
+            let nodes = &attr.g.as_ref().unwrap().node;
+            assert_eq!(nodes[0].op_type, MATMUL_WEIGHTS, "{}", attr.name);
+            assert_eq!(nodes[0].attribute[0].i, Layout::Panels.attribute());
+            assert_eq!(nodes[1].op_type, "MatMul", "{}", attr.name);
+        }
+        let mut panels = matrix::<4>(k, n);
+        transpose_values::<4>(&mut panels, k, n, true);
+        assert_eq!(graph.initializer[0].raw_data, panels, "w in panels, once");
+        assert_eq!(
+            graph.initializer[1].raw_data,
+            matrix::<4>(k, n),
+            "e as it was"
+        );
     }
 }
