@@ -305,10 +305,10 @@ const GROUP: usize = 32;
 /// `out[r, n] = sum_k a[r, k] * w[n, k]` with `w[n, k] = (q[n, k] - zero) * scale` of its block.
 ///
 /// One row (decoding): each column's packed blocks are read once and multiplied in registers
-/// (with the 16-bit row for 4 bits, `QuantizedRow`). Several rows (a prompt): a few columns at a time are dequantized into a small
-/// buffer, then multiplied with every row, so the dequantization is paid once per column and
-/// the f32 weight never exists whole. Under the `threads` feature the columns are split across
-/// the pool (`parallel`).
+/// (with the 16-bit row for 4 bits, `QuantizedRow`). Several rows (a prompt): a few columns at
+/// a time are dequantized into a small buffer, then multiplied with every row, so the
+/// dequantization is paid once per column and the f32 weight never exists whole. Under the
+/// `threads` feature the columns are split across the pool (`parallel`).
 pub fn matmul(
     op: &NBits,
     a: &[f32],

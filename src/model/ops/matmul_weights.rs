@@ -7,7 +7,8 @@
 //!
 //! One row of `A` (decoding) streams the weight once: one dot product per output for `[N, K]`.
 //! Several rows (a prompt) take four columns of the weight at a time (converted to f32 for f16)
-//! and multiply them with every row, two rows at a time for `[N, K]` (`dot4x2`). Both layouts
+//! and multiply them with every row, two rows at a time for `[N, K]` (`dot4x2`), the rows of a
+//! long prompt or an encoder a block at a time (`ROW_BLOCK_BYTES`). Both layouts
 //! of `[N, K]` give the same sums. Under the `threads` feature the output columns are split
 //! across the threads (`parallel.rs`).
 
