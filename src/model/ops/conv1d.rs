@@ -239,10 +239,8 @@ impl EvalOp for Conv1dOp {
         let mut fields = vec![0f32; t_out * width];
         let mut product = vec![0f32; t_out * op.c_out];
         let mut out = vec![0f32; batch * op.c_out * t_out];
-        for (x, out) in x
-            .chunks_exact(c_in * t)
-            .zip(out.chunks_exact_mut(op.c_out * t_out))
-        {
+        for (b, out) in out.chunks_exact_mut(op.c_out * t_out).enumerate() {
+            let x = &x[b * c_in * t..(b + 1) * c_in * t];
             receptive_fields(op, x, t, &mut fields);
             matmul_f32_nk(&fields, t_out, w, width, op.c_out, Layout::Nk, &mut product);
             // [T_out, C_out] -> [C_out, T_out].
@@ -264,7 +262,8 @@ fn receptive_fields(op: &Conv1d, x: &[f32], t: usize, fields: &mut [f32]) {
     let width = op.c_in * op.kernel;
     for (o, field) in fields.chunks_exact_mut(width).enumerate() {
         let start = o * op.stride;
-        for (row, taps) in x.chunks_exact(t).zip(field.chunks_exact_mut(op.kernel)) {
+        for (c, taps) in field.chunks_exact_mut(op.kernel).enumerate() {
+            let row = &x[c * t..(c + 1) * t];
             for (j, v) in taps.iter_mut().enumerate() {
                 // Position in the padded input, then in x.
                 let at = (start + j).checked_sub(op.pads[0]);
@@ -299,6 +298,40 @@ mod tests {
     #[test]
     fn conv1d_grouped_dilated_is_tract_s() {
         check("conv1d_grouped_dilated");
+    }
+
+    /// An input of length 0 whose pads make room for the kernel gives the bias (no slice of
+    /// length 0 is split).
+    #[test]
+    fn an_empty_input_with_pads_gives_the_bias() {
+        let op = super::Conv1dOp(super::Conv1d {
+            c_in: 2,
+            c_out: 3,
+            kernel: 3,
+            stride: 1,
+            pads: [2, 2],
+            bias: true,
+            label: "conv".into(),
+        });
+        let mut model = TypedModel::default();
+        let x = model.add_source("x", f32::fact([1, 2, 0])).unwrap();
+        let w = Tensor::from_shape(&[3, 2, 3], &[0.5f32; 18]).unwrap();
+        let w = model.add_const("w", w).unwrap();
+        let b = Tensor::from_shape(&[3], &[1f32, 2.0, 3.0]).unwrap();
+        let b = model.add_const("b", b).unwrap();
+        let y = model.wire_node("conv", op, &[x, w, b]).unwrap();
+        model.select_output_outlets(&y).unwrap();
+        let x = Tensor::zero::<f32>(&[1, 2, 0]).unwrap();
+        let mut outputs = model.into_runnable().unwrap().run(tvec![x.into()]).unwrap();
+        let out = outputs.remove(0);
+        assert_eq!(out.shape(), &[1, 3, 2]);
+        let values = out
+            .try_as_plain_ram()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap()
+            .to_vec();
+        assert_eq!(values, [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]);
     }
 
     /// The cases above run this op, but for the grouped one.
