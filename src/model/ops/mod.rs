@@ -5,8 +5,10 @@
 //! The layer norms (`SimplifiedLayerNormalization`, `SkipSimplifiedLayerNormalization`,
 //! `SkipLayerNormalization`), `RotaryEmbedding` and `DynamicQuantizeLinear` are tract-onnx's
 //! own, and so is `MatMulInteger` but for 8-bit weights (`matmul_integer`); `tract_builtins.rs`
-//! checks them against onnxruntime like the ops written here. `binary` replaces tract's generic
-//! float arithmetic in compiled plans; `linalg` and `parallel` are the kernels' shared parts.
+//! checks them against onnxruntime like the ops written here. `conv1d` takes the ONNX `Conv`s
+//! of one dimension with float32 weights (Whisper's encoder) from tract. `binary` replaces
+//! tract's generic float arithmetic in compiled plans; `linalg` and `parallel` are the kernels'
+//! shared parts.
 
 pub mod binary;
 pub mod conv1d;
