@@ -448,15 +448,14 @@ fn matmul_kn(
 mod tests {
     use super::*;
 
-    /// A prompt of more rows than a block (`ROW_BLOCK_BYTES`) gives the bits of its pairs of
-    /// rows multiplied apart: f32 weights as rows and in panels, f16 weights.
-    #[test]
-    fn row_blocks_give_the_values_of_the_rows_apart() {
-        let mut next = super::super::testing::uniform(0x9e37_79b9_7f4a_7c15);
-        let (k, n, rows) = (8192, 9, 22);
-        assert!(ROW_BLOCK_BYTES / (4 * k) < rows / 2);
+    /// An `[n, k]` f32 matrix of `next()` values, the same as f16 bits, and in panels.
+    fn weights(
+        k: usize,
+        n: usize,
+        next: &mut impl FnMut() -> f32,
+    ) -> (Vec<f32>, Vec<u16>, Vec<f32>) {
         let w32: Vec<f32> = (0..k * n).map(|_| next()).collect();
-        let w16: Vec<u16> = w32
+        let w16 = w32
             .iter()
             .map(|v| half::f16::from_f32(*v).to_bits())
             .collect();
@@ -466,8 +465,22 @@ mod tests {
                 panels[super::super::linalg::panel_index(j, i, n, k)] = w32[j * k + i];
             }
         }
+        (w32, w16, panels)
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// A prompt of more rows than a block (`ROW_BLOCK_BYTES`) gives the bits of its pairs of
+    /// rows multiplied apart: f32 weights as rows and in panels, f16 weights.
+    #[test]
+    fn row_blocks_give_the_values_of_the_rows_apart() {
+        let mut next = super::super::testing::uniform(0x9e37_79b9_7f4a_7c15);
+        let (k, n, rows) = (8192, 9, 22);
+        assert!(ROW_BLOCK_BYTES / (4 * k) < rows / 2);
+        let (w32, w16, panels) = weights(k, n, &mut next);
         let x: Vec<f32> = (0..rows * k).map(|_| next()).collect();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for (w, layout) in [
             (W::F32(&w32), Layout::Nk),
             (W::F32(&panels), Layout::Panels),
@@ -493,18 +506,7 @@ mod tests {
     fn column_split_is_bit_identical() {
         let mut next = super::super::testing::uniform(0x2545_f491_4f6c_dd1d);
         let (k, n) = (72, 4103);
-        let w32: Vec<f32> = (0..k * n).map(|_| next()).collect();
-        let w16: Vec<u16> = w32
-            .iter()
-            .map(|v| half::f16::from_f32(*v).to_bits())
-            .collect();
-        let mut panels = vec![0f32; k * n];
-        for j in 0..n {
-            for i in 0..k {
-                panels[super::super::linalg::panel_index(j, i, n, k)] = w32[j * k + i];
-            }
-        }
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let (w32, w16, panels) = weights(k, n, &mut next);
         let cases = [
             (W::F32(&w32), Layout::Kn),
             (W::F32(&w32), Layout::Nk),
