@@ -12,8 +12,6 @@
 //! Other forms (more dimensions, groups, dilations, `auto_pad` SAME_*, a weight that is not a
 //! float32 initializer) go to tract-onnx's `Conv`.
 
-use std::sync::OnceLock;
-
 use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::{tensor_proto::DataType, NodeProto};
 use tract_onnx::tract_hir::internal::*;
@@ -23,7 +21,7 @@ use super::matmul_weights::{matmul_f32_nk, Layout};
 use super::{initializer, input_slot, node_label};
 
 /// tract-onnx's builder, for the forms this op leaves to it.
-pub(super) static TRACT_BUILDER: OnceLock<super::matmul_integer::Builder> = OnceLock::new();
+pub(super) static TRACT: super::TractBuilder = super::TractBuilder::new();
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Conv1d {
@@ -56,12 +54,7 @@ pub fn conv(
 ) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)> {
     match parse(ctx, node)? {
         Some(op) => Ok((expand(op), vec![])),
-        None => {
-            let tract = TRACT_BUILDER.get().ok_or_else(|| {
-                format_err!("{}: tract's Conv is not registered", node_label(node))
-            })?;
-            tract(ctx, node)
-        }
+        None => TRACT.build(ctx, node),
     }
 }
 

@@ -13,8 +13,6 @@
 //! Other forms (a `B` computed in the graph, not 2-D or not 8-bit, a zero point that is not an
 //! initializer) go to tract-onnx's `MatMulInteger`.
 
-use std::sync::OnceLock;
-
 use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::{tensor_proto::DataType, NodeProto};
 use tract_onnx::tract_hir::internal::*;
@@ -22,9 +20,7 @@ use tract_onnx::tract_hir::internal::*;
 use super::{initializer, input_slot, matmul_output_fact, node_label};
 
 /// tract-onnx's builder, for the forms this op leaves to it.
-pub(super) type Builder =
-    fn(&ParsingContext, &NodeProto) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)>;
-pub(super) static TRACT_BUILDER: OnceLock<Builder> = OnceLock::new();
+pub(super) static TRACT: super::TractBuilder = super::TractBuilder::new();
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IntegerWeights {
@@ -42,15 +38,7 @@ pub fn matmul_integer(
 ) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)> {
     match parse(ctx, node) {
         Some(op) => Ok((expand(op), vec![])),
-        None => {
-            let tract = TRACT_BUILDER.get().ok_or_else(|| {
-                format_err!(
-                    "{}: tract's MatMulInteger is not registered",
-                    node_label(node)
-                )
-            })?;
-            tract(ctx, node)
-        }
+        None => TRACT.build(ctx, node),
     }
 }
 

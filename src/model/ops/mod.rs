@@ -22,9 +22,13 @@ pub mod matmul_weights;
 pub mod parallel;
 pub mod tract_builtins;
 
+use std::sync::OnceLock;
+
 use tract_onnx::model::OnnxOpRegister;
 use tract_onnx::pb::NodeProto;
-use tract_onnx::tract_hir::internal::{TDim, ToDim, TypedFact};
+use tract_onnx::tract_hir::internal::{
+    format_err, InferenceOp, TDim, ToDim, TractResult, TypedFact,
+};
 
 /// Register the ops of this module (replacing tract-onnx's builders of the same names).
 pub fn register(reg: &mut OnnxOpRegister) {
@@ -41,19 +45,53 @@ pub fn register(reg: &mut OnnxOpRegister) {
         crate::model::weights::MATMUL_WEIGHTS,
         matmul_weights::matmul_weights,
     );
-    // tract-onnx's own builder stays for the forms `matmul_integer` does not take.
-    if let Some(&tract) = reg.0.get("MatMulInteger") {
-        let _ = matmul_integer::TRACT_BUILDER.set(tract);
-    }
-    reg.insert("MatMulInteger", matmul_integer::matmul_integer);
-    if let Some(&tract) = reg.0.get("Conv") {
-        let _ = conv1d::TRACT_BUILDER.set(tract);
-    }
-    reg.insert("Conv", conv1d::conv);
+    // tract-onnx's own builders stay for the forms these do not take.
+    matmul_integer::TRACT.replace(reg, "MatMulInteger", matmul_integer::matmul_integer);
+    conv1d::TRACT.replace(reg, "Conv", conv1d::conv);
     reg.insert(
         "GatherBlockQuantized",
         gather_block_quantized::gather_block_quantized,
     );
+}
+
+/// An op builder of tract-onnx's registry.
+pub(crate) type Builder = fn(
+    &tract_onnx::model::ParsingContext,
+    &NodeProto,
+) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)>;
+
+/// tract-onnx's builder of an op that one of ours replaces, kept for the forms ours leaves to
+/// tract (`matmul_integer`, `conv1d`).
+pub(crate) struct TractBuilder(OnceLock<Builder>);
+
+impl TractBuilder {
+    pub const fn new() -> TractBuilder {
+        TractBuilder(OnceLock::new())
+    }
+
+    /// `ours` builds `name` from now on; tract's builder is kept here.
+    fn replace(&self, reg: &mut OnnxOpRegister, name: &'static str, ours: Builder) {
+        if let Some(&tract) = reg.0.get(name) {
+            let _ = self.0.set(tract);
+        }
+        reg.insert(name, ours);
+    }
+
+    /// `node` built by tract's builder.
+    pub fn build(
+        &self,
+        ctx: &tract_onnx::model::ParsingContext,
+        node: &NodeProto,
+    ) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)> {
+        let tract = self.0.get().ok_or_else(|| {
+            format_err!(
+                "{}: tract's {} is not registered",
+                node_label(node),
+                node.op_type
+            )
+        })?;
+        tract(ctx, node)
+    }
 }
 
 /// The output fact of `A x W` with a weight of `n` columns: A's shape with its last axis `n`.
