@@ -344,9 +344,10 @@ pub(crate) fn shared_initializers(
     Ok(typed)
 }
 
-/// An initializer's tensor, converted by tract from its protobuf.
+/// An initializer's tensor, converted by tract from its protobuf (with tract-onnx's default
+/// data resolver, without building a whole op registry for each initializer).
 fn load_initializer(t: &pb::TensorProto) -> Result<Arc<Tensor>> {
-    tract_onnx::tensor::load_tensor(&*super::ops::onnx().provider, t, None)
+    tract_onnx::tensor::load_tensor(&tract_onnx::data_resolver::MmapDataResolver, t, None)
         .map(|t| t.into_arc_tensor())
         .map_err(|e| Error::Model(format!("initializer `{}`: {e}", t.name)))
 }
