@@ -350,10 +350,12 @@ mod kernels {
             })
             .collect();
         let blocks = n / 16;
-        let mut r = 0;
-        while r < rows {
-            let two = r + 1 < rows;
-            for blk in 0..blocks {
+        // Column blocks outside, rows inside: a block's weights (K rows of 16 bytes) stay in
+        // the cache for every row, instead of all of `w` being read again per pair of rows.
+        for blk in 0..blocks {
+            let mut r = 0;
+            while r < rows {
+                let two = r + 1 < rows;
                 let mut acc = [i32x4_splat(0); 8];
                 for i in 0..pairs_k {
                     // SAFETY: rows 2i and 2i + 1 of w, columns 16 blk..16 blk + 16, are within
@@ -421,8 +423,8 @@ mod kernels {
                         }
                     }
                 }
+                r += if two { 2 } else { 1 };
             }
-            r += if two { 2 } else { 1 };
         }
         // The rest: the last row of w when K is odd (every column), the columns past the blocks.
         let tail_k = 2 * pairs_k..k;
