@@ -3,8 +3,9 @@
 //! `Y[m, n] = sum_k (A[m, k] - a_zero) * (B[k, n] - b_zero[n])`, int32.
 //!
 //! The weight is read where it lies, one byte a weight. `A - a_zero` is formed once per row as
-//! int16 pairs, and the simd128 kernel multiplies two rows of `B` at a time with
-//! `i32x4.dot_i16x8_s` (sixteen columns a pass, one or two rows of `A`); the `B` zero point is
+//! int16 pairs, and the simd128 kernels multiply two rows of `B` at a time with
+//! `i32x4.dot_i16x8_s`: a prompt's rows of `A` two at a time down sixteen columns of `B`, a
+//! decoding step's single row four rows of `B` at a time across all columns; the `B` zero point is
 //! subtracted afterwards as `b_zero[n] * sum_k (A[m, k] - a_zero)`. Integer sums are exact, so
 //! every kernel gives the same values as tract's own `MatMulInteger`, which this replaces
 //! (SmolLM2 int8 decoded at 0.6x transformers.js with it: its int32 kernel computes a 4x4 tile
@@ -319,7 +320,83 @@ mod kernels {
 mod kernels {
     use core::arch::wasm32::*;
 
-    /// Sixteen columns a pass over `K`, two rows of `w` a step: their bytes interleaved,
+    /// `(a, b)` as one i32: a splat of it is the i16x8 multiplier of a pair of weight rows.
+    #[inline(always)]
+    fn pair(a: i16, b: i16) -> i32 {
+        (a as u16 as u32 | (b as u16 as u32) << 16) as i32
+    }
+
+    /// Sixteen columns of two weight rows as four i16x8 vectors of `(r0[j], r1[j])` pairs,
+    /// vector `i` those of columns `4i..4i + 4`: the operands of `i32x4.dot_i16x8_s`.
+    #[inline(always)]
+    fn widen_pairs<const SIGNED: bool>(r0: v128, r1: v128) -> [v128; 4] {
+        let lo = i8x16_shuffle::<0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23>(r0, r1);
+        let hi =
+            i8x16_shuffle::<8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31>(r0, r1);
+        if SIGNED {
+            [
+                i16x8_extend_low_i8x16(lo),
+                i16x8_extend_high_i8x16(lo),
+                i16x8_extend_low_i8x16(hi),
+                i16x8_extend_high_i8x16(hi),
+            ]
+        } else {
+            [
+                u16x8_extend_low_u8x16(lo),
+                u16x8_extend_high_u8x16(lo),
+                u16x8_extend_low_u8x16(hi),
+                u16x8_extend_high_u8x16(hi),
+            ]
+        }
+    }
+
+    /// One row of `a` (a decoding step): four rows of `w` per pass over the sixteen-column
+    /// blocks of `out`, whose sums stay in memory (L1: at most a few KiB). Each pass reads four
+    /// rows of `w` front to back, which the prefetcher follows; walking down `K` sixteen
+    /// columns at a time (as the prompt kernel does, its rows reusing each block from the
+    /// cache) jumps `stride` bytes per load and read the weights at about a third of the
+    /// memory bandwidth. The rows past the last four and the columns past the last block are
+    /// added by the portable kernel.
+    fn matvec<const SIGNED: bool>(
+        a: &[i16],
+        w: &[u8],
+        k: usize,
+        stride: usize,
+        n: usize,
+        out: &mut [i32],
+    ) {
+        let blocks = n / 16;
+        let quads = k / 4;
+        out[..blocks * 16].fill(0);
+        let o = out.as_mut_ptr() as *mut v128;
+        for q in 0..quads {
+            let x01 = i32x4_splat(pair(a[4 * q], a[4 * q + 1]));
+            let x23 = i32x4_splat(pair(a[4 * q + 2], a[4 * q + 3]));
+            let p = w[4 * q * stride..].as_ptr();
+            for blk in 0..blocks {
+                // SAFETY: rows 4q..4q + 4 of w, columns 16 blk..16 blk + 16, are within the
+                // bytes asserted by `matmul` (4q + 3 < k, 16 blk + 16 <= n <= stride), and
+                // out[16 blk..16 blk + 16] within `out`; v128 loads and stores are unaligned.
+                unsafe {
+                    let at = p.add(blk * 16);
+                    let r = [0, 1, 2, 3].map(|i| v128_load(at.add(i * stride) as *const v128));
+                    let w01 = widen_pairs::<SIGNED>(r[0], r[1]);
+                    let w23 = widen_pairs::<SIGNED>(r[2], r[3]);
+                    for j in 0..4 {
+                        let sum =
+                            i32x4_add(i32x4_dot_i16x8(w01[j], x01), i32x4_dot_i16x8(w23[j], x23));
+                        let acc = o.add(4 * blk + j);
+                        v128_store(acc, i32x4_add(v128_load(acc), sum));
+                    }
+                }
+            }
+        }
+        super::portable::<SIGNED>(a, 1, w, k, stride, n, 4 * quads..k, 0..blocks * 16, out);
+        super::portable::<SIGNED>(a, 1, w, k, stride, n, 0..k, blocks * 16..n, out);
+    }
+
+    /// Several rows of `a` (a prompt; one goes to `matvec`): sixteen columns a pass over `K`,
+    /// two rows of `w` a step: their bytes interleaved,
     /// widened to i16 and multiplied with the pair `(a[k], a[k + 1])` by `i32x4.dot_i16x8_s`;
     /// two rows of `a` at a time share the widened weights. The columns past the last 16 and
     /// an odd last row of `w` are added by the portable kernel.
@@ -338,16 +415,13 @@ mod kernels {
         assert!(a.len() == rows * k && out.len() == rows * n);
         // SAFETY: `w` and `len` come from a slice (`super::matmul_in_parts`).
         let bytes = unsafe { std::slice::from_raw_parts(w, len) };
+        if rows == 1 {
+            return matvec::<SIGNED>(a, bytes, k, stride, n, out);
+        }
         let pairs_k = k / 2;
         // (a[r, 2i], a[r, 2i + 1]) as one i32 per pair: a splat gives the i16x8 multiplier.
         let pairs: Vec<i32> = (0..rows)
-            .flat_map(|r| {
-                (0..pairs_k).map(move |i| {
-                    let lo = a[r * k + 2 * i] as u16 as u32;
-                    let hi = a[r * k + 2 * i + 1] as u16 as u32;
-                    (lo | hi << 16) as i32
-                })
-            })
+            .flat_map(|r| (0..pairs_k).map(move |i| pair(a[r * k + 2 * i], a[r * k + 2 * i + 1])))
             .collect();
         let blocks = n / 16;
         // Column blocks outside, rows inside: a block's weights (K rows of 16 bytes) stay in
@@ -360,48 +434,11 @@ mod kernels {
                 for i in 0..pairs_k {
                     // SAFETY: rows 2i and 2i + 1 of w, columns 16 blk..16 blk + 16, are within
                     // the asserted bytes (2i + 1 < k, 16 blk + 16 <= n); v128_load is unaligned.
-                    let (lo, hi) = unsafe {
+                    let widened = unsafe {
                         let p = w.add(2 * i * stride + blk * 16);
                         let r0 = v128_load(p as *const v128);
                         let r1 = v128_load(p.add(stride) as *const v128);
-                        (
-                            i8x16_shuffle::<0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23>(
-                                r0, r1,
-                            ),
-                            i8x16_shuffle::<
-                                8,
-                                24,
-                                9,
-                                25,
-                                10,
-                                26,
-                                11,
-                                27,
-                                12,
-                                28,
-                                13,
-                                29,
-                                14,
-                                30,
-                                15,
-                                31,
-                            >(r0, r1),
-                        )
-                    };
-                    let widened = if SIGNED {
-                        [
-                            i16x8_extend_low_i8x16(lo),
-                            i16x8_extend_high_i8x16(lo),
-                            i16x8_extend_low_i8x16(hi),
-                            i16x8_extend_high_i8x16(hi),
-                        ]
-                    } else {
-                        [
-                            u16x8_extend_low_u8x16(lo),
-                            u16x8_extend_high_u8x16(lo),
-                            u16x8_extend_low_u8x16(hi),
-                            u16x8_extend_high_u8x16(hi),
-                        ]
+                        widen_pairs::<SIGNED>(r0, r1)
                     };
                     let x0 = i32x4_splat(pairs[r * pairs_k + i]);
                     for (j, v) in widened.iter().enumerate() {
