@@ -354,9 +354,9 @@ mod kernels {
     /// blocks of `out`, whose sums stay in memory (L1: at most a few KiB). Each pass reads four
     /// rows of `w` front to back, which the prefetcher follows; walking down `K` sixteen
     /// columns at a time (as the prompt kernel does, its rows reusing each block from the
-    /// cache) jumps `stride` bytes per load and read the weights at about a third of the
-    /// memory bandwidth. The rows past the last four and the columns past the last block are
-    /// added by the portable kernel.
+    /// cache) jumps `stride` bytes per load, and read the weights at 3.4-4.1 GB/s where this
+    /// kernel reads 4.5-5.0 (a test streaming 88 MB; plain reads: 8-9 GB/s). The rows past the
+    /// last four and the columns past the last block are added by the portable kernel.
     fn matvec<const SIGNED: bool>(
         a: &[i16],
         w: &[u8],
@@ -367,7 +367,8 @@ mod kernels {
     ) {
         let blocks = n / 16;
         let quads = k / 4;
-        out[..blocks * 16].fill(0);
+        // The sums start at zero here, whatever `out` held (the portable kernel adds to it).
+        out.fill(0);
         let o = out.as_mut_ptr() as *mut v128;
         for q in 0..quads {
             let x01 = i32x4_splat(pair(a[4 * q], a[4 * q + 1]));
