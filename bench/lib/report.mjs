@@ -25,6 +25,21 @@ function firstDifference(a, b) {
 }
 
 /** Median figures of the repetitions of one configuration. */
+/**
+ * onnx-generate's aggregated runs of `model` in `env` by thread count (the threads build runs in
+ * Chromium; the runs say which counts ran), and `against(t)`: the thread count and runs to compare
+ * with transformers.js on `t` threads, the same count when it ran, else 1.
+ */
+function onnxGenerateByThreads(runs, env, model, group) {
+  const counts = [...new Set(runs.filter((r) => r.env === env && r.model === model.name && r.engine === "onnx-generate").map((r) => r.threads))].sort((a, b) => a - b);
+  const by = new Map(counts.map((t) => [t, group("onnx-generate", t)]));
+  const against = (t) => {
+    const ogT = by.has(t) ? t : 1;
+    return [ogT, by.get(ogT) ?? group("onnx-generate", 1)];
+  };
+  return { by, against };
+}
+
 function aggregate(rs) {
   const ok = rs.filter((r) => !r.error);
   if (ok.length === 0) return { error: rs.map((r) => r.error).join("; ") };
@@ -127,9 +142,7 @@ export function report({ machine, options, models: all, runs, bandwidth, sizes }
             `${fmt(a.peak_mb, 0)} | ${fmt((a.peak_mb * MB) / modelBytes(a), 2)} | ${fmt(a.cpu_per_wall, 2)} | ${tokens} |`
           );
         };
-        // onnx-generate's thread counts in this env (runs say which ran).
-        const ogCounts = [...new Set(runs.filter((r) => r.env === env && r.model === model.name && r.engine === "onnx-generate").map((r) => r.threads))].sort((a, b) => a - b);
-        const ogBy = new Map(ogCounts.map((t) => [t, group("onnx-generate", t)]));
+        const { by: ogBy, against } = onnxGenerateByThreads(runs, env, model, group);
         for (const [t, a] of ogBy) {
           out(row("onnx-generate", t, a));
           if (!a.error) texts.push({ env, model: model.name, engine: "onnx-generate", threads: t, ...a });
@@ -137,8 +150,7 @@ export function report({ machine, options, models: all, runs, bandwidth, sizes }
         if (model.tjsDtype) {
           for (const t of options.threads) {
             // onnx-generate on the same thread count when it ran on it, else on 1.
-            const ogT = ogBy.has(t) ? t : 1;
-            const og = ogBy.get(ogT) ?? group("onnx-generate", 1);
+            const [ogT, og] = against(t);
             const tj = group("transformers.js", t);
             out(row("transformers.js", t, tj));
             if (tj.error) continue;
@@ -275,17 +287,13 @@ function speechTable({ options, models, envs, runs, texts, problems, out }) {
           `${fmt((a.peak_mb * MB) / modelBytes, 2)} | ${fmt(a.cpu_per_wall, 2)} | ${tokens} |`
         );
       };
-      // onnx-generate's thread counts in this env (the threads build runs in Chromium), as in the
-      // text table: each compared with transformers.js on the same count, else on 1.
-      const ogCounts = [...new Set(runs.filter((r) => r.env === env && r.model === model.name && r.engine === "onnx-generate").map((r) => r.threads))].sort((a, b) => a - b);
-      const ogBy = new Map(ogCounts.map((t) => [t, group("onnx-generate", t)]));
+      const { by: ogBy, against } = onnxGenerateByThreads(runs, env, model, group);
       for (const [t, a] of ogBy) {
         out(row("onnx-generate", t, a));
         if (!a.error) texts.push({ env, model: model.name, engine: "onnx-generate", threads: t, ...a });
       }
       for (const t of options.threads) {
-        const ogT = ogBy.has(t) ? t : 1;
-        const og = ogBy.get(ogT) ?? group("onnx-generate", 1);
+        const [ogT, og] = against(t);
         const tj = group("transformers.js", t);
         out(row("transformers.js", t, tj));
         if (tj.error) continue;
