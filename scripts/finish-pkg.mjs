@@ -35,3 +35,41 @@ for (const name of ["class Model", "interface GenerateOptions", "interface Token
   if (!dts.includes(name)) throw new Error(`${out}/onnx_generate.d.ts lacks ${name}`);
 }
 if (!existsSync(inPkg("snippets"))) throw new Error(`${out}/snippets is missing`);
+
+// The wasm that init() loads by default: with scripts/build-wasm.sh's relaxed SIMD build in the
+// folder (pkg/onnx_generate_bg_relaxed.wasm), that one where the engine validates relaxed SIMD,
+// else the plain one. `wasmFile()` tells callers that read the bytes themselves (initSync in
+// Node, Deno, a Worker's bundled module) which file to read.
+const glue = readFileSync(inPkg("onnx_generate.js"), "utf8");
+const relaxed = existsSync(inPkg("onnx_generate_bg_relaxed.wasm"));
+const defaultUrl = "new URL('onnx_generate_bg.wasm', import.meta.url)";
+const picked = "new URL(wasmFile(), import.meta.url)";
+if (!glue.includes("export function wasmFile()")) {
+  if (!glue.includes(defaultUrl)) throw new Error(`${out}/onnx_generate.js lacks ${defaultUrl}`);
+  const helper = `
+/** A module of one function that returns \`f32x4.relaxed_madd\` of three zero vectors. */
+const RELAXED_SIMD_PROBE = new Uint8Array([0, 97, 115, 109, 1, 0, 0, 0, 1, 5, 1, 96, 0, 1, 123, 3, 2, 1, 0,
+    10, 61, 1, 59, 0, ...[0, 1, 2].flatMap(() => [253, 12, ...new Array(16).fill(0)]), 253, 133, 2, 11]);
+
+/**
+ * The package's wasm file for this engine: onnx_generate_bg_relaxed.wasm (the f32 kernels with
+ * relaxed SIMD's multiply-add) where the engine validates relaxed SIMD and the package has it,
+ * onnx_generate_bg.wasm otherwise. init() without arguments loads it.
+ * @returns {string}
+ */
+export function wasmFile() {
+    const relaxed = ${relaxed} && WebAssembly.validate(RELAXED_SIMD_PROBE);
+    return relaxed ? 'onnx_generate_bg_relaxed.wasm' : 'onnx_generate_bg.wasm';
+}
+`;
+  writeFileSync(inPkg("onnx_generate.js"), glue.replace(defaultUrl, picked) + helper);
+  const declaration = `
+/**
+ * The package's wasm file for this engine: onnx_generate_bg_relaxed.wasm where the engine has
+ * relaxed SIMD (and the package has that build), onnx_generate_bg.wasm otherwise. The default
+ * init() loads it; pass it to initSync when reading the bytes yourself.
+ */
+export function wasmFile(): string;
+`;
+  writeFileSync(inPkg("onnx_generate.d.ts"), readFileSync(inPkg("onnx_generate.d.ts"), "utf8") + declaration);
+}

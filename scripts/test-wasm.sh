@@ -3,8 +3,10 @@
 #   1. the release package pkg/ (+simd128; scripts/build-wasm.sh);
 #   2. the JavaScript API tests (tests/wasm_api) in Node and in headless Chromium, each run
 #      failing if it executed no test; built in release with the same flags, so they reuse the
-#      package's compiled dependencies;
-#   3. the package's API in Node (js-tests/api.test.mjs: streams, abort, errors, fromUrl;
+#      package's compiled dependencies; in Node again on the relaxed SIMD build
+#      (+relaxed-simd, the package's onnx_generate_bg_relaxed.wasm), with its kernel test;
+#   3. the package's API in Node (js-tests/api.test.mjs: streams, abort, errors, fromUrl; on
+#      both wasm files of pkg/;
 #      js-tests/transcribe.test.mjs: Whisper transcription, errors, and Whisper base when
 #      .realmodels has it; js-tests/vlm.test.mjs: the Qwen2-VL and SmolVLM fixtures with image
 #      features and with RGBA images in chat messages);
@@ -29,14 +31,15 @@ sh scripts/setup-wasm.sh
 logs=target/wasm-test-logs
 mkdir -p "$logs"
 
-# Runs the wasm tests of one test target and fails unless at least one test passed.
+# Runs the wasm tests of one test target and fails unless at least one test passed. WASM_FEATURES
+# (default +simd128) and LOG_NAME (default the target's name) let the relaxed SIMD build run them.
 run_wasm_tests() {
   name=$1
-  log="$logs/$name.log"
+  log="$logs/${LOG_NAME:-$name}.log"
   shift
-  if ! env "$@" CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
-    CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128" \
-    cargo test --release --target wasm32-unknown-unknown --test "$name" >"$log" 2>&1; then
+  if ! env CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
+    CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=${WASM_FEATURES:-+simd128}" \
+    "$@" cargo test --release --target wasm32-unknown-unknown --test "$name" >"$log" 2>&1; then
     tail -n 60 "$log"
     echo "test-wasm: $name FAILED (log: $log)" >&2
     exit 1
@@ -47,18 +50,37 @@ run_wasm_tests() {
     echo "test-wasm: $name executed no test: failing (log: $log)" >&2
     exit 1
   fi
-  echo "test-wasm: $name: $passed tests passed"
+  echo "test-wasm: ${LOG_NAME:-$name}: $passed tests passed"
 }
+
+# Node's switch for relaxed SIMD where it needs one (Node 20 and 21; on by default from 22).
+relaxed_node_flag=""
+if node --experimental-wasm-relaxed-simd -e 0 >/dev/null 2>&1; then
+  relaxed_node_flag=--experimental-wasm-relaxed-simd
+fi
 
 if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f pkg/onnx_generate_bg.wasm ]; then
   sh scripts/build-wasm.sh
 fi
 
 run_wasm_tests wasm_node WASM_BINDGEN_TEST_TIMEOUT=300
+# The same tests on the relaxed SIMD build (its own target folder, as scripts/build-wasm.sh
+# builds pkg/onnx_generate_bg_relaxed.wasm): golden tokens through the API and the kernels'
+# rounding bound, which only this build compiles and which must have run.
+WASM_FEATURES=+simd128,+relaxed-simd LOG_NAME=wasm_node_relaxed run_wasm_tests wasm_node \
+  WASM_BINDGEN_TEST_TIMEOUT=300 NODE_ARGS="$relaxed_node_flag" \
+  CARGO_TARGET_DIR="${RELAXED_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-relaxed}"
+if ! grep -q "relaxed_simd_kernels_are_within_the_rounding_bound \.\.\. ok" "$logs/wasm_node_relaxed.log"; then
+  echo "test-wasm: the relaxed SIMD kernel test did not run (log: $logs/wasm_node_relaxed.log)" >&2
+  exit 1
+fi
 run_wasm_tests wasm_browser WASM_BINDGEN_TEST_TIMEOUT=300 CHROMEDRIVER="$(command -v chromedriver)"
 
 node --test js-tests/api.test.mjs
 echo "test-wasm: package API tests in Node passed"
+# Again on the package's relaxed SIMD wasm, which wasmFile() must pick with relaxed SIMD on.
+ONNX_GENERATE_WASM=relaxed node $relaxed_node_flag --test js-tests/api.test.mjs
+echo "test-wasm: package API tests in Node on onnx_generate_bg_relaxed.wasm passed"
 
 # transcribe(): the tiny Whisper fixture always, Whisper base when .realmodels has it.
 node --test js-tests/transcribe.test.mjs

@@ -27,9 +27,10 @@ async function onnxGenerate() {
   const pkg = await import(new URL(`${spec.pkg}/onnx_generate.js`, root));
   const dir = spec.model.dir;
   const optional = async (name) => (existsSync(join(dir, name)) ? readFile(join(dir, name)) : undefined);
-  let wasmMemory;
+  let wasmMemory, wasmFile;
   const load = async () => {
-    const exports = pkg.initSync({ module: await readFile(new URL(`${spec.pkg}/onnx_generate_bg.wasm`, root)) });
+    wasmFile = pkg.wasmFile ? pkg.wasmFile() : "onnx_generate_bg.wasm";
+    const exports = pkg.initSync({ module: await readFile(new URL(`${spec.pkg}/${wasmFile}`, root)) });
     wasmMemory = exports.memory;
     return pkg.Model.load({
       model: await openAsBlob(join(dir, spec.model.onnx)),
@@ -50,6 +51,7 @@ async function onnxGenerate() {
       ? await runOnnxGenerateTranscribe({ load, ...audio, language: spec.speech.language, budgetMs: spec.budgetMs })
       : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, budgetMs: spec.budgetMs });
   result.wasm_memory_mb = wasmMemory.buffer.byteLength / 2 ** 20;
+  result.wasm_file = wasmFile;
   return result;
 }
 

@@ -23,9 +23,10 @@ async function audio(spec) {
 async function onnxGenerate(spec) {
   const dir = spec.threads > 1 ? "/pkg-threads" : "/pkg";
   const pkg = await import(`${dir}/onnx_generate.js`);
-  let memory;
+  let memory, wasmFile;
   const load = async () => {
-    ({ memory } = await pkg.default({ module_or_path: `${dir}/onnx_generate_bg.wasm` }));
+    wasmFile = pkg.wasmFile ? pkg.wasmFile() : "onnx_generate_bg.wasm";
+    ({ memory } = await pkg.default({ module_or_path: `${dir}/${wasmFile}` }));
     // The page's thread computes its share of each matmul: n threads = n - 1 workers.
     if (spec.threads > 1) {
       await pkg.initThreadPool(spec.threads - 1);
@@ -40,6 +41,7 @@ async function onnxGenerate(spec) {
       ? await runOnnxGenerateTranscribe({ load, ...clip, language: spec.speech.language, budgetMs: spec.budgetMs })
       : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, budgetMs: spec.budgetMs });
   result.wasm_memory_mb = memory.buffer.byteLength / 2 ** 20;
+  result.wasm_file = wasmFile;
   return result;
 }
 

@@ -85,6 +85,15 @@ export function report({ machine, options, models: all, runs, bandwidth, sizes }
       (machine.chromium ? `, Chromium ${machine.chromium}` : "") +
       `; transformers.js ${machine.tjs} on onnxruntime-web ${machine.ort} (wasm backend); onnx-generate ${machine.commit}.`,
   );
+  // The package's init() picks its relaxed SIMD wasm where the engine has relaxed SIMD.
+  const files = [...new Set(runs.map((r) => r.env))].map((env) => {
+    const used = [...new Set(runs.filter((r) => r.env === env && r.engine === "onnx-generate" && r.wasm_file).map((r) => `${r.threads > 1 ? "pkg-threads/" : `${options.pkg}/`}${r.wasm_file}`))];
+    return used.length ? `${env}: ${used.join(", ")}` : null;
+  }).filter(Boolean);
+  if (files.length) {
+    out();
+    out(`onnx-generate's wasm (the one the package's \`wasmFile()\` picks for the engine): ${files.join("; ")}.`);
+  }
   out();
   const texts = []; // the generated text of each configuration
   if (models.length > 0) {

@@ -8,7 +8,7 @@
 // DIR is a model folder (flat or transformers.js layout; default: the tiny llama fixture,
 // which gets the SmolLM2 chat template of tests/fixtures/chat so that chat requests work).
 // Listens on 127.0.0.1 only; `--port 0` picks a free port. Prints `listening on URL` once ready.
-import { initSync, Model } from "../../pkg/onnx_generate.js";
+import { initSync, Model, wasmFile } from "../../pkg/onnx_generate.js";
 import { createHandler } from "../openai/openai.js";
 
 const root = new URL("../../", import.meta.url);
@@ -20,7 +20,7 @@ for (let i = 0; i < Deno.args.length; i++) {
   else throw new Error(`unknown argument ${a}; usage: server.js [--model DIR] [--variant V] [--model-id NAME] [--port N] [--debug]`);
 }
 
-const wasm = initSync({ module: Deno.readFileSync(new URL("pkg/onnx_generate_bg.wasm", root)) });
+const wasm = initSync({ module: Deno.readFileSync(new URL(`pkg/${wasmFile()}`, root)) });
 
 const fixture = new URL("tests/fixtures/models/llama/", root);
 const dir = args.model ? new URL(`file://${await Deno.realPath(args.model)}/`) : fixture;

@@ -631,3 +631,62 @@ mod nbits;
 fn q4_decode_kernel_is_within_the_rounding_bound() {
     nbits::check_q4_decode();
 }
+
+/// The f32 kernels of the relaxed SIMD build (`f32x4.relaxed_madd` for each multiply and add,
+/// fused or not as the engine chooses) within the rounding bound of their sums: the two-row
+/// prompt kernel on rows and on panels, the one-row panel kernel (decoding) and the f16 one.
+/// Compiled into the relaxed build's tests only; scripts/test-wasm.sh runs them in Node with
+/// relaxed SIMD and fails unless this test ran.
+#[cfg(target_feature = "relaxed-simd")]
+#[wasm_bindgen_test]
+fn relaxed_simd_kernels_are_within_the_rounding_bound() {
+    use onnx_generate::model::ops::linalg::{
+        dot4x2, dot4x2_panel, dot_panel, matvec_f16_nk, transpose_panels,
+    };
+    for k in [4usize, 12, 36, 576] {
+        let value = |i: usize, m: usize| ((i * m % 97) as f32 - 48.0) / 17.0;
+        let x0: Vec<f32> = (0..k).map(|i| value(i, 31)).collect();
+        let x1: Vec<f32> = (0..k).map(|i| value(i, 43) * 1e-3).collect();
+        // `[4, k]` rows, and the same matrix as `[k, 4]` for the panel layout.
+        let w: Vec<f32> = (0..4 * k).map(|i| value(i, 53) * 0.37).collect();
+        let w_kn: Vec<f32> = (0..k * 4).map(|i| w[(i % 4) * k + i / 4]).collect();
+        let mut panel = vec![0f32; 4 * k];
+        transpose_panels(&w_kn, k, 4, &mut panel);
+        let w16: Vec<u16> = w
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_bits())
+            .collect();
+        let w16_f32: Vec<f32> = w16
+            .iter()
+            .map(|&h| half::f16::from_bits(h).to_f32())
+            .collect();
+        // Each sum of k products, within k + 1 roundings of the sum of their magnitudes.
+        let check = |what: &str, got: f32, x: &[f32], w: &[f32]| {
+            let exact: f64 = x.iter().zip(w).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let size: f64 = x
+                .iter()
+                .zip(w)
+                .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                .sum();
+            let bound = (k + 1) as f64 * f32::EPSILON as f64 * size;
+            assert!(
+                (got as f64 - exact).abs() <= bound,
+                "{what} k={k}: {got} against {exact} (bound {bound})"
+            );
+        };
+        let row = |c: usize| &w[c * k..(c + 1) * k];
+        let [on_rows0, on_rows1] = dot4x2(&x0, &x1, &w);
+        let [on_panel0, on_panel1] = dot4x2_panel(&x0, &x1, &panel);
+        let one_row = dot_panel(&x0, &panel);
+        let mut f16 = vec![0f32; 4];
+        matvec_f16_nk(&x0, &w16, &mut f16);
+        for c in 0..4 {
+            check("dot4x2 row 0", on_rows0[c], &x0, row(c));
+            check("dot4x2 row 1", on_rows1[c], &x1, row(c));
+            check("dot4x2_panel row 0", on_panel0[c], &x0, row(c));
+            check("dot4x2_panel row 1", on_panel1[c], &x1, row(c));
+            check("dot_panel", one_row[c], &x0, row(c));
+            check("matvec_f16_nk", f16[c], &x0, &w16_f32[c * k..(c + 1) * k]);
+        }
+    }
+}
