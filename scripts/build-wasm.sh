@@ -82,19 +82,18 @@ else
   # one f32x4.relaxed_madd), in its own target folder (wasm-relaxed/ in the target folder, cold
   # the first time), as pkg/onnx_generate_bg_relaxed.wasm: the package's init() loads it where
   # the engine validates relaxed SIMD (Chromium, Node 22 and later) and the plain one elsewhere
-  # (an engine without relaxed SIMD rejects the whole module). Both share the JavaScript glue.
+  # (an engine without relaxed SIMD rejects the whole module). Both run with pkg/'s glue: the
+  # exports that wasm-bindgen names after a function's index take pkg/'s names
+  # (scripts/align-exports.mjs, which fails if the two glue files differ in anything else).
+  rm -f pkg/onnx_generate_bg_relaxed.wasm
   relaxed_dir=${RELAXED_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-relaxed}
   CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128,+relaxed-simd" \
     cargo build --release --target wasm32-unknown-unknown --lib --target-dir "$relaxed_dir"
   relaxed_tmp=$(mktemp -d)
   wasm-bindgen --target web --out-dir "$relaxed_tmp" --out-name onnx_generate \
     "$relaxed_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
-  # The same glue but for comments (a closure's shim index in one differs between the builds).
-  grep -v '^ *//' pkg/onnx_generate.js >"$relaxed_tmp/plain.js"
-  grep -v '^ *//' "$relaxed_tmp/onnx_generate.js" >"$relaxed_tmp/relaxed.js"
-  if ! cmp -s "$relaxed_tmp/plain.js" "$relaxed_tmp/relaxed.js"; then
-    echo "build-wasm: the relaxed SIMD build's JavaScript glue differs from pkg/'s" >&2
-    diff "$relaxed_tmp/relaxed.js" "$relaxed_tmp/plain.js" | head -n 20 >&2
+  if ! node scripts/align-exports.mjs pkg/onnx_generate.js "$relaxed_tmp/onnx_generate.js" \
+    "$relaxed_tmp/onnx_generate_bg.wasm"; then
     rm -rf "$relaxed_tmp"
     exit 1
   fi

@@ -276,7 +276,9 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
         let mut matrices = matrices.clone();
         matrices.extend(float_matrices(&graph.initializer));
         let transposed = transposed_matrices(&graph.node, &matrices);
-        for node in graph.node.iter_mut() {
+        let keys = transposed_operands(graph);
+        let mut nodes = Vec::with_capacity(graph.node.len());
+        for mut node in std::mem::take(&mut graph.node) {
             let is_matmul = node.op_type == "MatMul" && node.domain.is_empty();
             let b = node.input.get(1).cloned().unwrap_or_default();
             if is_matmul && node.input.len() == 2 && transposed.contains_key(&b) {
@@ -285,17 +287,105 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
                 node.attribute.push(layout_attribute(Layout::Nk));
             } else if is_matmul && !initializers.contains(&b) {
                 node.op_type = crate::model::ops::matmul_runtime::MATMUL_RUNTIME.into();
+                if let Some((k, scale)) = keys.get(&b) {
+                    // `A @ (K^T s)` as `(A s) @ K^T`, K read as it lies.
+                    if let Some(scale) = scale {
+                        let scaled = format!("{}/scaled_a", node.output[0]);
+                        let mul = pb::NodeProto {
+                            op_type: "Mul".into(),
+                            name: scaled.clone(),
+                            input: vec![node.input[0].clone(), scale.clone()],
+                            output: vec![scaled.clone()],
+                            ..Default::default()
+                        };
+                        nodes.push(mul);
+                        node.input[0] = scaled;
+                    }
+                    node.input[1] = k.clone();
+                    node.attribute.push(pb::AttributeProto {
+                        name: "trans_b".into(),
+                        r#type: pb::attribute_proto::AttributeType::Int as i32,
+                        i: 1,
+                        ..Default::default()
+                    });
+                }
             }
             for attr in node.attribute.iter_mut() {
                 if let Some(g) = attr.g.as_mut() {
                     visit(g, &initializers, &matrices);
                 }
             }
+            nodes.push(node);
         }
+        graph.node = nodes;
     }
     if let Some(graph) = proto.graph.as_mut() {
         visit(graph, &HashSet::new(), &HashSet::new());
     }
+}
+
+/// `MatMul` operands that are a runtime tensor with its last two axes swapped, then maybe
+/// scaled by a scalar: `Transpose(K, perm=[0, .., r-1, r-2])`, or `Mul` of it by a one-value
+/// `Constant` or initializer (optimum's attention scales `Q` and `K^T` by `d^-1/4` each).
+/// Operand name -> (`K`, the scale's name).
+fn transposed_operands(graph: &pb::GraphProto) -> HashMap<String, (String, Option<String>)> {
+    let one_value = |t: &pb::TensorProto| t.dims.iter().product::<i64>() == 1;
+    let scalars: HashSet<&str> = graph
+        .node
+        .iter()
+        .filter(|n| n.op_type == "Constant" && n.output.len() == 1)
+        .filter(|n| {
+            n.attribute
+                .iter()
+                .any(|a| a.t.as_ref().is_some_and(one_value))
+        })
+        .map(|n| n.output[0].as_str())
+        .chain(
+            graph
+                .initializer
+                .iter()
+                .filter(|t| one_value(t))
+                .map(|t| t.name.as_str()),
+        )
+        .collect();
+    let swaps_last_two = |n: &pb::NodeProto| {
+        let Some(perm) = n.attribute.iter().find(|a| a.name == "perm") else {
+            return false;
+        };
+        let r = perm.ints.len();
+        r >= 2
+            && perm.ints[..r - 2]
+                .iter()
+                .enumerate()
+                .all(|(i, &p)| p == i as i64)
+            && perm.ints[r - 2..] == [r as i64 - 1, r as i64 - 2]
+    };
+    let transposes: HashMap<&str, &str> = graph
+        .node
+        .iter()
+        .filter(|n| n.op_type == "Transpose" && n.input.len() == 1 && n.output.len() == 1)
+        .filter(|n| swaps_last_two(n))
+        .map(|n| (n.output[0].as_str(), n.input[0].as_str()))
+        .collect();
+    let mut found: HashMap<String, (String, Option<String>)> = transposes
+        .iter()
+        .map(|(t, k)| (t.to_string(), (k.to_string(), None)))
+        .collect();
+    for n in &graph.node {
+        if n.op_type != "Mul" || n.input.len() != 2 || n.output.len() != 1 {
+            continue;
+        }
+        let (x, y) = (n.input[0].as_str(), n.input[1].as_str());
+        let scaled = match (transposes.get(x), transposes.get(y)) {
+            (Some(k), _) if scalars.contains(y) => Some((k, y)),
+            (_, Some(k)) if scalars.contains(x) => Some((k, x)),
+            _ => None,
+        };
+        if let Some((k, s)) = scaled {
+            found.insert(n.output[0].clone(), (k.to_string(), Some(s.to_string())));
+        }
+    }
+    found
 }
 
 /// The names of the float32 and float16 matrices among `initializers`.
@@ -464,6 +554,7 @@ fn tensor_to_f32(t: &mut pb::TensorProto) -> Result<()> {
 mod tests {
     use super::*;
     use crate::model::ops::linalg::panel_index;
+    use crate::model::ops::matmul_runtime::MATMUL_RUNTIME;
 
     /// A `[k, n]` matrix of distinct values, as bytes of `S`-byte values.
     fn matrix<const S: usize>(k: usize, n: usize) -> Vec<u8> {
@@ -497,6 +588,85 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The keys of `Q K^T`: a `MatMul` by `Mul(Transpose(k, perm=[0, 1, 3, 2]), scale)`
+    /// becomes `MatMulRuntime(Mul(q, scale), k)` with `trans_b`; by a `Transpose` alone,
+    /// `MatMulRuntime(q, k)` with `trans_b`; other permutations stay as they are.
+    #[test]
+    fn matmuls_by_transposed_keys_read_the_keys() {
+        let node =
+            |op: &str, inputs: &[&str], output: &str, perm: Option<Vec<i64>>| pb::NodeProto {
+                op_type: op.into(),
+                input: inputs.iter().map(|s| s.to_string()).collect(),
+                output: vec![output.into()],
+                attribute: perm
+                    .map(|ints| pb::AttributeProto {
+                        name: "perm".into(),
+                        ints,
+                        ..Default::default()
+                    })
+                    .into_iter()
+                    .collect(),
+                ..Default::default()
+            };
+        let scale = pb::NodeProto {
+            op_type: "Constant".into(),
+            output: vec!["s".into()],
+            attribute: vec![pb::AttributeProto {
+                name: "value".into(),
+                t: Some(pb::TensorProto {
+                    data_type: FLOAT,
+                    float_data: vec![0.5],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let mut proto = pb::ModelProto {
+            graph: Some(pb::GraphProto {
+                node: vec![
+                    scale,
+                    node("Transpose", &["k"], "kt", Some(vec![0, 1, 3, 2])),
+                    node("Mul", &["kt", "s"], "kts", None),
+                    node("MatMul", &["q", "kts"], "scores", None),
+                    node("MatMul", &["q", "kt"], "plain", None),
+                    node("Transpose", &["k"], "other", Some(vec![0, 2, 3, 1])),
+                    node("MatMul", &["q", "other"], "kept", None),
+                ],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        runtime_matmuls(&mut proto);
+        let nodes = proto.graph.unwrap().node;
+        let by_output = |o: &str| nodes.iter().find(|n| n.output[0] == o).unwrap();
+        let trans_b =
+            |n: &pb::NodeProto| n.attribute.iter().any(|a| a.name == "trans_b" && a.i == 1);
+        let scaled = by_output("scores/scaled_a");
+        assert_eq!(
+            (scaled.op_type.as_str(), &scaled.input[..]),
+            ("Mul", &["q".to_string(), "s".to_string()][..])
+        );
+        let scores = by_output("scores");
+        assert_eq!(scores.op_type, MATMUL_RUNTIME);
+        assert_eq!(scores.input, ["scores/scaled_a", "k"]);
+        assert!(trans_b(scores));
+        let position = |o: &str| nodes.iter().position(|n| n.output[0] == o).unwrap();
+        assert!(
+            position("scores/scaled_a") < position("scores"),
+            "the Mul before its MatMul"
+        );
+        let plain = by_output("plain");
+        assert_eq!(plain.input, ["q", "k"]);
+        assert!(trans_b(plain));
+        let kept = by_output("kept");
+        assert_eq!(
+            (kept.op_type.as_str(), &kept.input[..]),
+            (MATMUL_RUNTIME, &["q".to_string(), "other".to_string()][..])
+        );
+        assert!(!trans_b(kept));
     }
 
     /// A merged decoder: both branches of an `If` multiply by the matrix `w`, which becomes

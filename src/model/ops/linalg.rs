@@ -88,6 +88,23 @@ pub fn transpose_panels<T: Copy>(src: &[T], k: usize, n: usize, dst: &mut [T]) {
     }
 }
 
+/// `src`, an `[n, k]` matrix (`k` a multiple of four), in panels ([`panel_index`]) into `dst`:
+/// [`transpose_panels`] for a matrix that lies as its rows already.
+pub fn panels_from_rows<T: Copy>(src: &[T], k: usize, n: usize, dst: &mut [T]) {
+    debug_assert!(k.is_multiple_of(4) && src.len() == k * n && dst.len() == k * n);
+    let full = n / PANEL * PANEL;
+    for (p, panel) in dst[..full * k].chunks_exact_mut(PANEL * k).enumerate() {
+        let rows = &src[p * PANEL * k..(p + 1) * PANEL * k];
+        for (q, block) in panel.chunks_exact_mut(16).enumerate() {
+            for r in 0..PANEL {
+                block[r * 4..r * 4 + 4].copy_from_slice(&rows[r * k + q * 4..r * k + q * 4 + 4]);
+            }
+        }
+    }
+    // The last `n % PANEL` rows lie as rows.
+    dst[full * k..].copy_from_slice(&src[full * k..]);
+}
+
 /// [`dot4`] of the four rows of a panel (`4 * x.len()` values in the panel layout).
 pub fn dot4_panel(x: &[f32], panel: &[f32]) -> [f32; 4] {
     dot4_rows::<1, true>([x], panel)[0]
@@ -546,6 +563,28 @@ pub fn axpy_rows(x: &[f32], w: &[f32], stride: usize, out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Both packings put every value at its `panel_index`: from `[n, k]` rows and from the
+    /// `[k, n]` transpose; whole panels and one, two, three rows past them.
+    #[test]
+    fn panels_from_rows_and_from_the_transpose_agree() {
+        let k = 12;
+        for n in [8, 9, 10, 11] {
+            let rows: Vec<u32> = (0..(n * k) as u32).collect();
+            let mut want = vec![0u32; n * k];
+            for j in 0..n {
+                for i in 0..k {
+                    want[panel_index(j, i, n, k)] = rows[j * k + i];
+                }
+            }
+            let mut got = vec![0u32; n * k];
+            panels_from_rows(&rows, k, n, &mut got);
+            assert_eq!(got, want, "n={n}: from rows");
+            let columns: Vec<u32> = (0..k * n).map(|v| rows[(v % n) * k + v / n]).collect();
+            transpose_panels(&columns, k, n, &mut got);
+            assert_eq!(got, want, "n={n}: from the transpose");
+        }
+    }
 
     /// The panel kernels give the row kernels' sums bit for bit: two whole panels and three
     /// rows past them, K a multiple of eight and not.

@@ -2,7 +2,11 @@
 //! computed in the graph: the attention products `Q K^T` and `P V`): `Y = A @ B` with numpy
 //! broadcasting of the batch axes, f32. One row of `A` (a decoding step) multiplies `B` as it
 //! lies (`linalg::axpy_rows`); more rows (a prompt, an encoder's frames) multiply a transposed
-//! copy of `B` with the prompt kernel of `MatMulWeights`.
+//! copy of `B` with the prompt kernel of `MatMulWeights`. With `trans_b = 1` (made from a
+//! `MatMul` by `Transpose(K)`, the keys of `Q K^T`), `B` is given as `K`, `[.., n, k]`: one
+//! dot product per output for a decoding step, the prompt kernel on a panel copy otherwise,
+//! and no transposed copy of the keys in tract at every step (Whisper's decoder transposed its
+//! 1500 cached encoder keys per layer per step: a quarter of a step).
 //!
 //! tract's matmul packs both operands of such a product at every step, then runs its 8x8
 //! kernel for the one row of a decoding step: in Whisper's decoder, whose cross-attention reads
@@ -14,7 +18,7 @@ use tract_onnx::prelude::*;
 use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
-use super::linalg::{axpy_rows, transpose_nk, transpose_panels};
+use super::linalg::{axpy_rows, panels_from_rows, transpose_nk, transpose_panels};
 use super::matmul_weights::{self, Layout};
 
 /// From this many rows of `A` (a prompt, an encoder), `B` is transposed for the prompt kernel;
@@ -34,7 +38,11 @@ pub fn matmul_runtime(
             super::node_label(node)
         );
     }
-    Ok((expand(Runtime::default()), vec![]))
+    let trans_b = node.get_attr_opt::<i64>("trans_b")?.unwrap_or(0) != 0;
+    Ok((
+        expand(Runtime(MatMulInference::default().with_b_trans(trans_b))),
+        vec![],
+    ))
 }
 
 /// The expansion: tract's `MatMul` rules (and its op, for the forms not taken here).
@@ -66,12 +74,16 @@ impl Expansion for Runtime {
         if !f32s || a.rank() < 2 || b.rank() < 2 {
             return self.0.wire(prefix, model, inputs);
         }
-        model.wire_node(prefix, RuntimeOp, inputs)
+        let trans_b = self.0.b_trans;
+        model.wire_node(prefix, RuntimeOp { trans_b }, inputs)
     }
 }
 
+/// `A @ B`, or `A @ B^T` when `trans_b` (`B` given as `[.., n, k]`).
 #[derive(Debug, Clone, Default, Hash, PartialEq, Eq)]
-pub struct RuntimeOp;
+pub struct RuntimeOp {
+    pub trans_b: bool,
+}
 
 impl Op for RuntimeOp {
     fn name(&self) -> StaticName {
@@ -86,7 +98,7 @@ impl TypedOp for RuntimeOp {
             inputs[0].shape.to_tvec(),
             inputs[1].shape.to_tvec(),
             false,
-            false,
+            self.trans_b,
             false,
         )?;
         Ok(tvec!(f32::fact(c)))
@@ -99,10 +111,16 @@ impl EvalOp for RuntimeOp {
 
     fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
         let (a, b) = (&inputs[0], &inputs[1]);
-        let (ashape, bshape, _, cshape) =
-            compute_shapes(a.shape().into(), b.shape().into(), false, false, false)?;
+        let (ashape, bshape, _, cshape) = compute_shapes(
+            a.shape().into(),
+            b.shape().into(),
+            false,
+            self.trans_b,
+            false,
+        )?;
         let rank = cshape.len();
-        let (m, k, n) = (ashape[rank - 2], ashape[rank - 1], bshape[rank - 1]);
+        let n = bshape[rank - if self.trans_b { 2 } else { 1 }];
+        let (m, k) = (ashape[rank - 2], ashape[rank - 1]);
         let mut out = vec![0f32; cshape.iter().product()];
         let x = a.try_as_plain_ram()?.as_slice::<f32>()?;
         let w = b.try_as_plain_ram()?.as_slice::<f32>()?;
@@ -135,7 +153,17 @@ impl EvalOp for RuntimeOp {
             }
             let wb = &w[ib..ib + k * n];
             let xb = &x[ia..ia + m * k];
-            if m >= PROMPT_ROWS {
+            if self.trans_b {
+                // B^T as it lies is `[n, k]`: the weights' kernels read it in place, through a
+                // panel copy for several rows (as from `[k, n]` below).
+                if m >= PROMPT_ROWS && k.is_multiple_of(4) {
+                    transposed.resize(k * n, 0.0);
+                    panels_from_rows(wb, k, n, &mut transposed);
+                    matmul_weights::matmul_f32_nk(xb, m, &transposed, k, n, Layout::Panels, c);
+                } else {
+                    matmul_weights::matmul_f32_nk(xb, m, wb, k, n, Layout::Nk, c);
+                }
+            } else if m >= PROMPT_ROWS {
                 // B transposed to [n, k] (k n copies against m k n products), in panels when K
                 // allows, then the prompt kernel of the weight matmuls: two rows of A per pass
                 // over four columns.
@@ -166,7 +194,8 @@ mod tests {
 
     /// Against tract's own matmul (EinSum) on the same operands: equal batch axes, broadcast
     /// ones (a batch axis of 1 on either side, a lower-rank operand), one row and several (the
-    /// transposed path from `PROMPT_ROWS`, with column and row tails).
+    /// transposed path from `PROMPT_ROWS`, with column and row tails); each with `B` as it
+    /// lies and given transposed (`trans_b`, K a multiple of four and not).
     #[test]
     fn same_products_as_tracts_matmul() {
         let mut next = super::super::testing::uniform(0x9e37_79b9_7f4a_7c15);
@@ -180,7 +209,13 @@ mod tests {
             (&[3, 4, 6], &[6, 5]),
             (&[4, 6], &[2, 6, 3]),
         ];
-        for (ashape, bshape) in cases {
+        for ((ashape, bshape), trans_b) in cases.iter().flat_map(|c| [(*c, false), (*c, true)]) {
+            let mut bshape = bshape.to_vec();
+            if trans_b {
+                let r = bshape.len();
+                bshape.swap(r - 2, r - 1);
+            }
+            let bshape = &bshape[..];
             let len = |s: &[usize]| s.iter().product::<usize>();
             let a: Vec<f32> = (0..len(ashape)).map(|_| next()).collect();
             let b: Vec<f32> = (0..len(bshape)).map(|_| next()).collect();
@@ -191,7 +226,9 @@ mod tests {
                 m.add_const("a", a.clone()).unwrap(),
                 m.add_const("b", b.clone()).unwrap(),
             );
-            let o = m.wire_node("ours", RuntimeOp, &[sa, sb]).unwrap();
+            let o = m
+                .wire_node("ours", RuntimeOp { trans_b }, &[sa, sb])
+                .unwrap();
             m.select_output_outlets(&o).unwrap();
             let ours = m
                 .into_runnable()
@@ -204,6 +241,7 @@ mod tests {
             let ia = model.add_const("a", a).unwrap();
             let ib = model.add_const("b", b).unwrap();
             let out = MatMulInference::default()
+                .with_b_trans(trans_b)
                 .wire("mm", &mut model, &[ia, ib])
                 .unwrap();
             model.select_output_outlets(&out).unwrap();
@@ -214,9 +252,10 @@ mod tests {
                 .unwrap()
                 .remove(0)
                 .into_tensor();
-            assert_eq!(ours.shape(), theirs.shape(), "{ashape:?} x {bshape:?}");
+            let case = format!("{ashape:?} x {bshape:?}, trans_b {trans_b}");
+            assert_eq!(ours.shape(), theirs.shape(), "{case}");
             ours.close_enough(&theirs, Approximation::Approximate)
-                .unwrap_or_else(|e| panic!("{ashape:?} x {bshape:?}: {e}"));
+                .unwrap_or_else(|e| panic!("{case}: {e}"));
         }
     }
 }
