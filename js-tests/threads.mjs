@@ -2,8 +2,10 @@
 // cross-origin isolated page loads it, starts two workers with initThreadPool(2), makes every
 // matmul split across the threads (setParallelThreshold(0): the tiny fixture's products are
 // below the default threshold), and generates transformers' golden greedy ids of the tiny
-// llama fixture, for a prompt (several rows) and then token by token (one row). Then, in a new
-// page, the same without initThreadPool (rayon's pool is then the page's thread alone).
+// llama fixture, for a prompt (several rows) and then token by token (one row), with the wasm
+// that init() picks (the relaxed SIMD build: Chromium has relaxed SIMD). Then, in a new page,
+// the same without initThreadPool (rayon's pool is then the page's thread alone) on the plain
+// simd128 wasm.
 //   node js-tests/threads.mjs
 import assert from "node:assert/strict";
 import { existsSync } from "node:fs";
@@ -45,10 +47,10 @@ try {
   );
   await page.goto(`${origin}/`);
   const t0 = Date.now();
-  const run = async (workers) => page.evaluate(
-    async ({ prompt, max_new_tokens, workers }) => {
+  const run = async (workers, file) => page.evaluate(
+    async ({ prompt, max_new_tokens, workers, file }) => {
       const pkg = await import("/pkg-threads/onnx_generate.js");
-      await pkg.default({ module_or_path: "/pkg-threads/onnx_generate_bg.wasm" });
+      await pkg.default(file ? { module_or_path: `/pkg-threads/${file}` } : undefined);
       if (workers) await pkg.initThreadPool(workers);
       pkg.setParallelThreshold(0);
       let badThreshold = null;
@@ -61,23 +63,24 @@ try {
       const r = await model.generate(prompt, { max_new_tokens });
       const streamed = [];
       for await (const e of model.stream(prompt, { max_new_tokens })) streamed.push(e.token_id);
-      return { isolated: self.crossOriginIsolated, ids: r.token_ids, streamed, badThreshold };
+      return { isolated: self.crossOriginIsolated, ids: r.token_ids, streamed, badThreshold, picked: pkg.wasmFile() };
     },
-    { prompt: HELLO, max_new_tokens: GOLDEN.length, workers },
+    { prompt: HELLO, max_new_tokens: GOLDEN.length, workers, file },
   );
   const got = await run(2);
+  assert.equal(got.picked, "onnx_generate_bg_relaxed.wasm", "init() did not pick the relaxed SIMD build");
   assert.equal(got.isolated, true, "the page is not cross-origin isolated");
   assert.deepEqual(got.ids, GOLDEN);
   assert.deepEqual(got.streamed, GOLDEN);
   assert.match(got.badThreshold ?? "", /setParallelThreshold: -1/);
-  console.log(`threads: initThreadPool(2), every matmul split: golden ids in Chromium (${Date.now() - t0} ms)`);
+  console.log(`threads: initThreadPool(2), every matmul split, ${got.picked}: golden ids in Chromium (${Date.now() - t0} ms)`);
   // A fresh page (a fresh module and pool), without initThreadPool.
   await page.reload();
-  const alone = await run(0);
+  const alone = await run(0, "onnx_generate_bg.wasm");
   assert.deepEqual(alone.ids, GOLDEN);
   assert.deepEqual(alone.streamed, GOLDEN);
   assert.deepEqual(errors, []);
-  console.log("threads: without initThreadPool: golden ids");
+  console.log("threads: without initThreadPool, onnx_generate_bg.wasm: golden ids");
 } finally {
   await browser.close();
   server.closeAllConnections();

@@ -30,13 +30,40 @@ for arg in "$@"; do
   esac
 done
 
+# add_relaxed OUT TARGET_DIR CARGO_COMMAND...: the same code with relaxed SIMD as well
+# (+relaxed-simd: the f32 kernels multiply and add in one f32x4.relaxed_madd), built by the
+# command into its own target folder (cold the first time), as OUT/onnx_generate_bg_relaxed.wasm.
+# The package's init() loads it where the engine validates relaxed SIMD (Chromium, Node 22 and
+# later) and the plain one elsewhere (an engine without relaxed SIMD rejects the whole module).
+# Both run with OUT's glue: the exports that wasm-bindgen names after a function's index take
+# OUT's names (scripts/align-exports.mjs, which fails if the two glue files differ otherwise).
+add_relaxed() {
+  relaxed_out=$1
+  relaxed_dir=$2
+  shift 2
+  rm -f "$relaxed_out/onnx_generate_bg_relaxed.wasm"
+  "$@"
+  relaxed_tmp=$(mktemp -d)
+  wasm-bindgen --target web --out-dir "$relaxed_tmp" --out-name onnx_generate \
+    "$relaxed_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
+  if ! node scripts/align-exports.mjs "$relaxed_out/onnx_generate.js" \
+    "$relaxed_tmp/onnx_generate.js" "$relaxed_tmp/onnx_generate_bg.wasm"; then
+    rm -rf "$relaxed_tmp"
+    exit 1
+  fi
+  mv "$relaxed_tmp/onnx_generate_bg.wasm" "$relaxed_out/onnx_generate_bg_relaxed.wasm"
+  rm -rf "$relaxed_tmp"
+}
+
 if [ "$threads" = 1 ]; then
   out=pkg-threads
   target_dir=${THREADS_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-threads}
   # Every crate, std included, with atomics. Shared memory needs a declared maximum: 4 GiB, the
   # most wasm32 can address (the linker's default of 1 GiB is less than a 540 MB model needs
   # while it loads).
-  export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+atomics,+bulk-memory,+mutable-globals,+simd128 -C link-arg=--max-memory=4294967296"
+  features=+atomics,+bulk-memory,+mutable-globals,+simd128
+  memory="-C link-arg=--max-memory=4294967296"
+  export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=$features $memory"
   # The final link: a shared, imported memory and the thread-local storage symbols that
   # wasm-bindgen's thread support calls (rustc stopped adding these for +atomics in late 2025).
   # Given to this crate only (cargo rustc), so changing them rebuilds no dependency.
@@ -51,6 +78,11 @@ if [ "$threads" = 1 ]; then
   rm -rf "$out"
   wasm-bindgen --target web --out-dir "$out" --out-name onnx_generate \
     "$target_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
+  # shellcheck disable=SC2086
+  add_relaxed "$out" "$target_dir-relaxed" env \
+    CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=$features,+relaxed-simd $memory" \
+    cargo +nightly rustc --release --target wasm32-unknown-unknown --lib --features threads \
+    --target-dir "$target_dir-relaxed" -Z build-std=panic_abort,std -- $link
 elif [ "$small" = 1 ]; then
   out=pkg-small
   export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128"
@@ -78,27 +110,10 @@ else
     wasm-bindgen --target web --out-dir pkg --out-name onnx_generate \
       "${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/release/onnx_generate.wasm"
   fi
-  # The same code with relaxed SIMD as well (+relaxed-simd: the f32 kernels multiply and add in
-  # one f32x4.relaxed_madd), in its own target folder (wasm-relaxed/ in the target folder, cold
-  # the first time), as pkg/onnx_generate_bg_relaxed.wasm: the package's init() loads it where
-  # the engine validates relaxed SIMD (Chromium, Node 22 and later) and the plain one elsewhere
-  # (an engine without relaxed SIMD rejects the whole module). Both run with pkg/'s glue: the
-  # exports that wasm-bindgen names after a function's index take pkg/'s names
-  # (scripts/align-exports.mjs, which fails if the two glue files differ in anything else).
-  rm -f pkg/onnx_generate_bg_relaxed.wasm
   relaxed_dir=${RELAXED_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-relaxed}
-  CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128,+relaxed-simd" \
+  add_relaxed pkg "$relaxed_dir" env \
+    CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128,+relaxed-simd" \
     cargo build --release --target wasm32-unknown-unknown --lib --target-dir "$relaxed_dir"
-  relaxed_tmp=$(mktemp -d)
-  wasm-bindgen --target web --out-dir "$relaxed_tmp" --out-name onnx_generate \
-    "$relaxed_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
-  if ! node scripts/align-exports.mjs pkg/onnx_generate.js "$relaxed_tmp/onnx_generate.js" \
-    "$relaxed_tmp/onnx_generate_bg.wasm"; then
-    rm -rf "$relaxed_tmp"
-    exit 1
-  fi
-  mv "$relaxed_tmp/onnx_generate_bg.wasm" pkg/onnx_generate_bg_relaxed.wasm
-  rm -rf "$relaxed_tmp"
 fi
 node scripts/finish-pkg.mjs "$out"
 wasm=$out/onnx_generate_bg.wasm

@@ -15,7 +15,8 @@
 #   6. the demo page end to end in Chromium (js-tests/e2e.mjs), with a screenshot in
 #      target/e2e/demo.png; then the threads package (pkg-threads/, scripts/build-wasm.sh
 #      --threads: nightly with build-std, cold the first time) in Chromium: initThreadPool(2) and
-#      the golden ids with every matmul split across the threads (js-tests/threads.mjs); then the
+#      the golden ids with every matmul split across the threads on the relaxed SIMD wasm that
+#      init() picks, then without the pool on the plain one (js-tests/threads.mjs); then the
 #      small package (pkg-small/, scripts/build-wasm.sh --small): at most 3 MB (3,000,000 bytes)
 #      gzipped, and the
 #      package API tests on it;
