@@ -380,6 +380,11 @@ const sizes = [{ engine: "onnx-generate", file: `${options.pkg}/onnx_generate_bg
 if (options.pkg !== "pkg-small" && existsSync(smallWasm)) {
   sizes.push({ engine: "onnx-generate", file: "pkg-small/onnx_generate_bg.wasm", alternative: true, ...size(smallWasm) });
 }
+// The relaxed SIMD twin of pkg/'s wasm, which engines with relaxed SIMD load instead.
+const relaxedWasm = join(repo, options.pkg, "onnx_generate_bg_relaxed.wasm");
+if (existsSync(relaxedWasm)) {
+  sizes.push({ engine: "onnx-generate", file: `${options.pkg}/onnx_generate_bg_relaxed.wasm`, alternative: true, ...size(relaxedWasm) });
+}
 if (hasThreadsPkg) sizes.push({ engine: "onnx-generate", file: "pkg-threads/onnx_generate_bg.wasm", alternative: true, ...size(threadsWasm) });
 sizes.push({ engine: "onnx-generate", file: `${options.pkg}/onnx_generate.js + snippets`, ...sumSizes(pkgJsFiles()) });
 const tjsFiles = fetched.size
