@@ -75,6 +75,8 @@ if ! grep -q "relaxed_simd_kernels_are_within_the_rounding_bound \.\.\. ok" "$lo
   echo "test-wasm: the relaxed SIMD kernel test did not run (log: $logs/wasm_node_relaxed.log)" >&2
   exit 1
 fi
+# (Shells may keep a function call's variable assignments: the plain build's settings again.)
+unset WASM_FEATURES LOG_NAME
 run_wasm_tests wasm_browser WASM_BINDGEN_TEST_TIMEOUT=300 CHROMEDRIVER="$(command -v chromedriver)"
 
 node --test js-tests/api.test.mjs

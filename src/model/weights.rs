@@ -10,7 +10,8 @@
 //!   the embedding table) becomes a `MatMulWeights` node reading the table itself: tract would
 //!   otherwise keep a transposed copy and a packed copy of it.
 //! * In decoder and encoder graphs, the `MatMul`s of runtime operands (the attention products)
-//!   become `MatMulRuntime` (`runtime_matmuls`).
+//!   become `MatMulRuntime` (`runtime_matmuls`); one by a `Transpose` of the last two axes
+//!   (scaled or not: the keys of `Q K^T`) reads the untransposed tensor (`trans_b`).
 //! * float16 graphs (`model_fp16.onnx`) are computed in f32 with the large weights kept in
 //!   f16 (tract computes f16 arithmetic slowly without native f16, on x86 and in wasm, and
 //!   converting every weight to f32 would double the memory): every `MatMul` whose `B` is a
@@ -268,6 +269,11 @@ fn weights_in_subgraphs(
 /// In a subgraph, a `MatMul` by the transpose of a float matrix initializer (a merged decoder's
 /// tied `lm_head`, which `rewrite` does not see in the branches) becomes `MatMulWeights`
 /// reading the matrix in place, as `rewrite` makes it at the top level.
+///
+/// A `MatMul` by `Transpose(K)` over the last two axes, or by that times a scalar `s`
+/// ([`transposed_operands`]), becomes `MatMulRuntime(A, K)` (or `(Mul(A, s), K)`) with
+/// `trans_b`: tract copied the transposed keys at every step (in Whisper's decoder its 1500
+/// cached encoder keys per layer, a quarter of a step).
 pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
     /// Float matrices among the initializers in scope.
     fn visit(graph: &mut pb::GraphProto, outer: &HashSet<String>, matrices: &HashSet<String>) {
