@@ -354,23 +354,11 @@ fn transposed_operands(graph: &pb::GraphProto) -> HashMap<String, (String, Optio
                 .map(|t| t.name.as_str()),
         )
         .collect();
-    let swaps_last_two = |n: &pb::NodeProto| {
-        let Some(perm) = n.attribute.iter().find(|a| a.name == "perm") else {
-            return false;
-        };
-        let r = perm.ints.len();
-        r >= 2
-            && perm.ints[..r - 2]
-                .iter()
-                .enumerate()
-                .all(|(i, &p)| p == i as i64)
-            && perm.ints[r - 2..] == [r as i64 - 1, r as i64 - 2]
-    };
     let transposes: HashMap<&str, &str> = graph
         .node
         .iter()
         .filter(|n| n.op_type == "Transpose" && n.input.len() == 1 && n.output.len() == 1)
-        .filter(|n| swaps_last_two(n))
+        .filter(|n| perm(n).is_some_and(swaps_last_two))
         .map(|n| (n.output[0].as_str(), n.input[0].as_str()))
         .collect();
     let mut found: HashMap<String, (String, Option<String>)> = transposes
@@ -394,6 +382,23 @@ fn transposed_operands(graph: &pb::GraphProto) -> HashMap<String, (String, Optio
     found
 }
 
+/// A `Transpose` node's `perm`, if it has one (without, it reverses the axes).
+fn perm(node: &pb::NodeProto) -> Option<&[i64]> {
+    let attr = node.attribute.iter().find(|a| a.name == "perm")?;
+    Some(&attr.ints)
+}
+
+/// Whether `perm` swaps the last two axes and keeps the others (`[1, 0]` for a matrix).
+fn swaps_last_two(perm: &[i64]) -> bool {
+    let r = perm.len();
+    r >= 2
+        && perm[..r - 2]
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p == i as i64)
+        && perm[r - 2..] == [r as i64 - 1, r as i64 - 2]
+}
+
 /// The names of the float32 and float16 matrices among `initializers`.
 fn float_matrices(initializers: &[pb::TensorProto]) -> impl Iterator<Item = String> + '_ {
     initializers
@@ -412,10 +417,7 @@ fn transposed_matrices(
         .iter()
         .filter(|n| n.op_type == "Transpose" && n.input.len() == 1 && n.output.len() == 1)
         .filter(|n| matrices.contains(&n.input[0]))
-        .filter(|n| {
-            let perm = n.attribute.iter().find(|a| a.name == "perm");
-            perm.is_none_or(|a| a.ints == [1, 0])
-        })
+        .filter(|n| perm(n).is_none_or(swaps_last_two))
         .map(|n| (n.output[0].clone(), n.input[0].clone()))
         .collect()
 }
