@@ -8,8 +8,8 @@ export const pkgDir = process.env.ONNX_GENERATE_PKG
   ? new URL(`file://${process.env.ONNX_GENERATE_PKG.replace(/\/?$/, "/")}`)
   : new URL("pkg/", root);
 const pkg = await import(new URL("onnx_generate.js", pkgDir));
-/** The wasm file the package picked for this engine (`wasmFile()`; a package without it: the plain one). */
-export const wasmFile = pkg.wasmFile ? pkg.wasmFile() : "onnx_generate_bg.wasm";
+// The wasm file the package picks for this engine.
+const wasmFile = pkg.wasmFile();
 // ONNX_GENERATE_WASM=relaxed: the run must test the relaxed SIMD build (Node with relaxed SIMD).
 if (process.env.ONNX_GENERATE_WASM === "relaxed" && wasmFile !== "onnx_generate_bg_relaxed.wasm") {
   throw new Error(`ONNX_GENERATE_WASM=relaxed, but the package picked ${wasmFile} (no relaxed SIMD in this Node?)`);

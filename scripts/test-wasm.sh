@@ -32,26 +32,28 @@ sh scripts/setup-wasm.sh
 logs=target/wasm-test-logs
 mkdir -p "$logs"
 
-# Runs the wasm tests of one test target and fails unless at least one test passed. WASM_FEATURES
-# (default +simd128) and LOG_NAME (default the target's name) let the relaxed SIMD build run them.
+# run_wasm_tests LABEL TARGET [VAR=value...]: runs the wasm tests of one test target (the
+# variables after the defaults, so they can replace them) and fails unless at least one test
+# passed; the log is $logs/LABEL.log.
 run_wasm_tests() {
-  name=$1
-  log="$logs/${LOG_NAME:-$name}.log"
-  shift
+  label=$1
+  name=$2
+  log="$logs/$label.log"
+  shift 2
   if ! env CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
-    CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=${WASM_FEATURES:-+simd128}" \
+    CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128" \
     "$@" cargo test --release --target wasm32-unknown-unknown --test "$name" >"$log" 2>&1; then
     tail -n 60 "$log"
-    echo "test-wasm: $name FAILED (log: $log)" >&2
+    echo "test-wasm: $label FAILED (log: $log)" >&2
     exit 1
   fi
   passed=$(sed -n 's/.*test result: ok\. \([0-9][0-9]*\) passed.*/\1/p' "$log" | tail -n 1)
   if [ -z "$passed" ] || [ "$passed" -eq 0 ]; then
     tail -n 30 "$log"
-    echo "test-wasm: $name executed no test: failing (log: $log)" >&2
+    echo "test-wasm: $label executed no test: failing (log: $log)" >&2
     exit 1
   fi
-  echo "test-wasm: ${LOG_NAME:-$name}: $passed tests passed"
+  echo "test-wasm: $label: $passed tests passed"
 }
 
 # Node's switch for relaxed SIMD where it needs one (Node 20 and 21; on by default from 22).
@@ -64,20 +66,19 @@ if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f pkg/onnx_generate_bg.wasm ]; then
   sh scripts/build-wasm.sh
 fi
 
-run_wasm_tests wasm_node WASM_BINDGEN_TEST_TIMEOUT=300
+run_wasm_tests wasm_node wasm_node WASM_BINDGEN_TEST_TIMEOUT=300
 # The same tests on the relaxed SIMD build (its own target folder, as scripts/build-wasm.sh
 # builds pkg/onnx_generate_bg_relaxed.wasm): golden tokens through the API and the kernels'
 # rounding bound, which only this build compiles and which must have run.
-WASM_FEATURES=+simd128,+relaxed-simd LOG_NAME=wasm_node_relaxed run_wasm_tests wasm_node \
+run_wasm_tests wasm_node_relaxed wasm_node \
+  CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128,+relaxed-simd" \
   WASM_BINDGEN_TEST_TIMEOUT=300 NODE_ARGS="$relaxed_node_flag" \
   CARGO_TARGET_DIR="${RELAXED_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-relaxed}"
 if ! grep -q "relaxed_simd_kernels_are_within_the_rounding_bound \.\.\. ok" "$logs/wasm_node_relaxed.log"; then
   echo "test-wasm: the relaxed SIMD kernel test did not run (log: $logs/wasm_node_relaxed.log)" >&2
   exit 1
 fi
-# (Shells may keep a function call's variable assignments: the plain build's settings again.)
-unset WASM_FEATURES LOG_NAME
-run_wasm_tests wasm_browser WASM_BINDGEN_TEST_TIMEOUT=300 CHROMEDRIVER="$(command -v chromedriver)"
+run_wasm_tests wasm_browser wasm_browser WASM_BINDGEN_TEST_TIMEOUT=300 CHROMEDRIVER="$(command -v chromedriver)"
 
 node --test js-tests/api.test.mjs
 echo "test-wasm: package API tests in Node passed"

@@ -29,7 +29,7 @@ async function onnxGenerate() {
   const optional = async (name) => (existsSync(join(dir, name)) ? readFile(join(dir, name)) : undefined);
   let wasmMemory, wasmFile;
   const load = async () => {
-    wasmFile = pkg.wasmFile ? pkg.wasmFile() : "onnx_generate_bg.wasm";
+    wasmFile = pkg.wasmFile();
     const exports = pkg.initSync({ module: await readFile(new URL(`${spec.pkg}/${wasmFile}`, root)) });
     wasmMemory = exports.memory;
     return pkg.Model.load({

@@ -25,7 +25,7 @@ async function onnxGenerate(spec) {
   const pkg = await import(`${dir}/onnx_generate.js`);
   let memory, wasmFile;
   const load = async () => {
-    wasmFile = pkg.wasmFile ? pkg.wasmFile() : "onnx_generate_bg.wasm";
+    wasmFile = pkg.wasmFile();
     ({ memory } = await pkg.default({ module_or_path: `${dir}/${wasmFile}` }));
     // The page's thread computes its share of each matmul: n threads = n - 1 workers.
     if (spec.threads > 1) {
