@@ -1,5 +1,5 @@
-//! `MatMulNBits` decoding with the 16-bit row (the portable kernel; tests/wasm_api runs the same
-//! check on the simd128 kernel).
+//! `MatMulNBits` decoding with the 16-bit row and prompts through dequantized weights (the
+//! portable kernels; tests/wasm_api runs the same checks on the simd128 kernels).
 
 #[path = "support/nbits.rs"]
 mod nbits;
@@ -7,4 +7,9 @@ mod nbits;
 #[test]
 fn q4_decode_is_within_the_rounding_bound() {
     nbits::check_q4_decode();
+}
+
+#[test]
+fn prompt_is_within_the_rounding_bound() {
+    nbits::check_prompt();
 }

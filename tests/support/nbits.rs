@@ -1,6 +1,7 @@
-//! `MatMulNBits` decoding (one row of `A`: `model::ops::matmul_nbits`, which rounds the row to
-//! 16-bit integers per group of 32) against the sums in f64 of the dequantized weights. Shared
-//! by a native test (tests/nbits_decode.rs) and a wasm test (the simd128 kernel; tests/wasm_api).
+//! `MatMulNBits` (`model::ops::matmul_nbits`) against the sums in f64 of the dequantized
+//! weights: decoding (one row of `A`, which it rounds to 16-bit integers per group of 32) and
+//! prompts (several rows, through weights dequantized to f32). Shared by native tests
+//! (tests/nbits_decode.rs) and wasm tests (the simd128 kernels; tests/wasm_api).
 #![allow(dead_code)]
 
 use onnx_generate::model::ops::matmul_nbits::{matmul, NBits, Zero};
@@ -90,5 +91,102 @@ pub fn check_q4_decode() {
         with_nan[k / 2] = f32::NAN;
         matmul(&op, &with_nan, 1, &b, &scales, &zp, &mut got).unwrap();
         assert!(got.iter().all(|v| v.is_nan()), "bs={bs} k={k}: {got:?}");
+    }
+}
+
+/// `MatMulNBits` on a prompt (several rows of `A`: each column dequantized to f32, then
+/// multiplied with every row) against the sums in f64 of the dequantized weights, within the f32
+/// rounding of the dequantization and of the sums: 4 and 8 bits, block sizes 16 to 128 (a
+/// partial last block), default, packed and float zero points, 2, 3 and 5 rows, N not a
+/// multiple of 4.
+pub fn check_prompt() {
+    let mut state = 0x1319_8a2e_0370_7344u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 32) as u32
+    };
+    // Bits, block size, K, N, zero points (0 default, 1 packed, 2 float).
+    for (bits, bs, k, n, zp_kind) in [
+        (4, 16, 80, 7, 1),
+        (4, 32, 96, 9, 0),
+        (4, 32, 200, 5, 1),
+        (4, 64, 130, 6, 2),
+        (4, 128, 384, 4, 0),
+        (8, 16, 40, 5, 2),
+        (8, 64, 130, 7, 1),
+    ] {
+        let op = NBits {
+            k,
+            n,
+            bits,
+            block_size: bs,
+            zero_points: None,
+            bias: None,
+            inputs: 3,
+            label: "prompt".into(),
+        };
+        let blocks = k.div_ceil(bs);
+        let blob = bs * bits / 8;
+        let zp_blob = (blocks * bits).div_ceil(8);
+        let b: Vec<u8> = (0..n * blocks * blob).map(|_| next() as u8).collect();
+        let scales: Vec<f32> = (0..n * blocks)
+            .map(|_| (next() % 1000) as f32 / 4000.0 + 0.01)
+            .collect();
+        let zp_bytes: Vec<u8> = (0..n * zp_blob).map(|_| next() as u8).collect();
+        let zp_floats: Vec<f32> = (0..n * blocks)
+            .map(|_| (next() % 1000) as f32 / 100.0)
+            .collect();
+        let zero = |col: usize, blk: usize| match zp_kind {
+            0 => (1u32 << (bits - 1)) as f64,
+            1 => {
+                let bit = blk * bits;
+                ((zp_bytes[col * zp_blob + bit / 8] >> (bit % 8)) as u32 & ((1 << bits) - 1)) as f64
+            }
+            _ => zp_floats[col * blocks + blk] as f64,
+        };
+        let zp = match zp_kind {
+            0 => Zero::Default,
+            1 => Zero::Packed(&zp_bytes),
+            _ => Zero::Float(&zp_floats),
+        };
+        let weight = |col: usize, i: usize| {
+            let blk = i / bs;
+            let q = if bits == 4 {
+                let byte = b[(col * blocks + blk) * blob + (i % bs) / 2];
+                if i % 2 == 0 {
+                    byte & 15
+                } else {
+                    byte >> 4
+                }
+            } else {
+                b[(col * blocks + blk) * blob + i % bs]
+            } as f64;
+            (q - zero(col, blk)) * scales[col * blocks + blk] as f64
+        };
+        for rows in [2, 3, 5] {
+            let a: Vec<f32> = (0..rows * k)
+                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let mut got = vec![0f32; rows * n];
+            matmul(&op, &a, rows, &b, &scales, &zp, &mut got).unwrap();
+            for r in 0..rows {
+                for col in 0..n {
+                    let (mut want, mut magnitude) = (0f64, 0f64);
+                    for i in 0..k {
+                        let p = weight(col, i) * a[r * k + i] as f64;
+                        want += p;
+                        magnitude += p.abs();
+                    }
+                    let g = got[r * n + col] as f64;
+                    let bound = (k + 2) as f64 * f32::EPSILON as f64 * magnitude;
+                    assert!(
+                        (g - want).abs() <= bound,
+                        "bits={bits} bs={bs} k={k} rows={rows} row {r} col {col}: {g} vs {want} (bound {bound:e})"
+                    );
+                }
+            }
+        }
     }
 }

@@ -632,6 +632,14 @@ fn q4_decode_kernel_is_within_the_rounding_bound() {
     nbits::check_q4_decode();
 }
 
+/// The simd128 dequantization of `MatMulNBits` prompts (4 and 8 bits) within the rounding
+/// bound of the dequantized weights' sums (tests/support/nbits.rs; natively
+/// tests/nbits_decode.rs).
+#[wasm_bindgen_test]
+fn nbits_prompt_kernel_is_within_the_rounding_bound() {
+    nbits::check_prompt();
+}
+
 /// The f32 kernels of the relaxed SIMD build (`f32x4.relaxed_madd` for each multiply and add,
 /// fused or not as the engine chooses) within the rounding bound of their sums: the two-row
 /// prompt kernel on rows and on panels, the one-row panel kernel (decoding) and the f16 one.

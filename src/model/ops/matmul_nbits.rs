@@ -8,9 +8,9 @@
 //!
 //! The weight stays packed. Decoding (one row of `A`) with 4 bits and integer zero points, the
 //! row is rounded to 16-bit integers per group of 32 values and each column's blocks are
-//! multiplied with it in integers (`QuantizedRow`); otherwise the kernel dequantizes one block
-//! of one column at a time and multiplies it with every row of `A`, so the f32 weight never
-//! exists in memory.
+//! multiplied with it in integers (`QuantizedRow`); otherwise the kernel dequantizes four
+//! columns at a time (with simd128 in wasm) and multiplies them with every row of `A`, so the
+//! f32 weight never exists whole in memory.
 //! Not supported (a load-time error naming the node): `g_idx`, other bit widths, a `B`,
 //! `scales` or `zero_points` whose shape does not match `K`, `N`, `bits` and `block_size`.
 
@@ -583,24 +583,38 @@ impl Params<'_> {
     /// Column `col` as f32 into `w` (padded, and permuted for 4 bits).
     fn dequantize(&self, col: usize, b: &[u8], w: &mut [f32]) {
         let base = col * self.blocks;
-        for blk in 0..self.blocks {
-            let src = &b[(base + blk) * self.blob..(base + blk + 1) * self.blob];
-            let dst = &mut w[blk * self.bs..(blk + 1) * self.bs];
-            let (scale, zero) = (self.scales[base + blk], self.zero(col, blk));
-            if self.bits == 4 {
-                let half = self.bs.min(GROUP) / 2;
-                for (bytes, d) in src.chunks(half).zip(dst.chunks_mut(2 * half)) {
-                    let (lo, hi) = d.split_at_mut(half);
-                    for ((byte, l), h) in bytes.iter().zip(lo).zip(hi) {
-                        *l = ((byte & 0x0f) as f32 - zero) * scale;
-                        *h = ((byte >> 4) as f32 - zero) * scale;
-                    }
-                }
-            } else {
-                for (d, byte) in dst.iter_mut().zip(src) {
-                    *d = (*byte as f32 - zero) * scale;
+        let src = &b[base * self.blob..(base + self.blocks) * self.blob];
+        let scales = &self.scales[base..base + self.blocks];
+        // The default zero point as a constant, as in `column_dot`.
+        let zero = |blk: usize| self.zero(col, blk);
+        match (self.bits, self.zp) {
+            (4, Zero::Default) if self.bs >= GROUP => {
+                kernels::dequantize_q4(src, self.bs, scales, |_| 8.0, w)
+            }
+            (4, _) if self.bs >= GROUP => kernels::dequantize_q4(src, self.bs, scales, zero, w),
+            (4, _) => {
+                for (blk, (src, dst)) in src
+                    .chunks_exact(self.blob)
+                    .zip(w.chunks_exact_mut(self.bs))
+                    .enumerate()
+                {
+                    dequantize_q4_any(src, zero(blk), scales[blk], dst, self.bs);
                 }
             }
+            _ => kernels::dequantize_q8(src, self.bs, scales, zero, w),
+        }
+    }
+}
+
+/// One 4-bit block of groups of `group` elements as f32, `(q - zero) * scale`: each group's
+/// low nibbles (its even elements), then its high nibbles (the order of the permuted `A`).
+fn dequantize_q4_any(src: &[u8], zero: f32, scale: f32, dst: &mut [f32], group: usize) {
+    let half = group / 2;
+    for (bytes, d) in src.chunks(half).zip(dst.chunks_mut(group)) {
+        let (lo, hi) = d.split_at_mut(half);
+        for ((byte, l), h) in bytes.iter().zip(lo).zip(hi) {
+            *l = ((byte & 0x0f) as f32 - zero) * scale;
+            *h = ((byte >> 4) as f32 - zero) * scale;
         }
     }
 }
@@ -633,6 +647,41 @@ fn q8_dot(src: &[u8], x: &[f32], zero: f32) -> f32 {
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 mod kernels {
     use super::GROUP;
+
+    /// One column of 4-bit blocks of `bs` (whole groups of 32) as f32, `(q - zero) * scale`
+    /// (`super::dequantize_q4_any` block by block).
+    pub fn dequantize_q4(
+        src: &[u8],
+        bs: usize,
+        scales: &[f32],
+        zero: impl Fn(usize) -> f32,
+        dst: &mut [f32],
+    ) {
+        let blocks = src.chunks_exact(bs / 2).zip(dst.chunks_exact_mut(bs));
+        for (blk, (src, dst)) in blocks.enumerate() {
+            super::dequantize_q4_any(src, zero(blk), scales[blk], dst, GROUP);
+        }
+    }
+
+    /// One column of 8-bit blocks of `bs` as f32, `(q - zero) * scale`.
+    pub fn dequantize_q8(
+        src: &[u8],
+        bs: usize,
+        scales: &[f32],
+        zero: impl Fn(usize) -> f32,
+        dst: &mut [f32],
+    ) {
+        for (blk, (src, dst)) in src
+            .chunks_exact(bs)
+            .zip(dst.chunks_exact_mut(bs))
+            .enumerate()
+        {
+            let (zero, scale) = (zero(blk), scales[blk]);
+            for (d, byte) in dst.iter_mut().zip(src) {
+                *d = (*byte as f32 - zero) * scale;
+            }
+        }
+    }
 
     /// `sum_k x[k] * w[k]` over one column of 4-bit blocks of `bs` (whole groups of 32, `x`
     /// permuted to the nibble order), integer zero points. Written so that LLVM vectorizes
@@ -708,6 +757,91 @@ mod kernels {
     use core::arch::wasm32::*;
 
     use super::GROUP;
+
+    /// Sixteen bytes as f32, `(q - zero) * scale`, into `dst[0..16]`: the portable kernel's
+    /// operations (`q` and `zero` are exact in f32), so the same bits.
+    ///
+    /// # Safety
+    /// `dst..dst + 16` must be writable.
+    #[inline(always)]
+    unsafe fn dequantize16(q: v128, zero: v128, scale: v128, dst: *mut f32) {
+        let (q0, q1) = (u16x8_extend_low_u8x16(q), u16x8_extend_high_u8x16(q));
+        let q = [
+            u32x4_extend_low_u16x8(q0),
+            u32x4_extend_high_u16x8(q0),
+            u32x4_extend_low_u16x8(q1),
+            u32x4_extend_high_u16x8(q1),
+        ];
+        for (j, q) in q.into_iter().enumerate() {
+            let w = f32x4_mul(f32x4_sub(f32x4_convert_i32x4(q), zero), scale);
+            v128_store(dst.add(4 * j) as *mut v128, w);
+        }
+    }
+
+    /// One column of 4-bit blocks of `bs` (whole groups of 32) as f32 with simd128, in the
+    /// portable kernel's order and bits: 16 bytes a group, low nibbles then high nibbles.
+    /// Dequantizing a prompt's weights one byte at a time (and one call per block of 32) took
+    /// a third of q4 SmolLM2's prompt products.
+    pub fn dequantize_q4(
+        src: &[u8],
+        bs: usize,
+        scales: &[f32],
+        zero: impl Fn(usize) -> f32,
+        dst: &mut [f32],
+    ) {
+        let blocks = src.len() / (bs / 2);
+        let groups = bs / GROUP;
+        assert!(
+            blocks <= scales.len() && dst.len() >= blocks * bs && bs.is_multiple_of(GROUP),
+            "dequantize_q4: {} bytes, {} scales, {} values, blocks of {bs}",
+            src.len(),
+            scales.len(),
+            dst.len()
+        );
+        let mask = u8x16_splat(0x0f);
+        for blk in 0..blocks {
+            let (zero, scale) = (f32x4_splat(zero(blk)), f32x4_splat(scales[blk]));
+            for g in blk * groups..(blk + 1) * groups {
+                // SAFETY: group g reads src[16g..16g+16] and writes dst[32g..32g+32], in
+                // bounds (asserted above); v128_load and v128_store accept unaligned addresses.
+                unsafe {
+                    let v = v128_load(src.as_ptr().add(g * GROUP / 2) as *const v128);
+                    let d = dst.as_mut_ptr().add(g * GROUP);
+                    dequantize16(v128_and(v, mask), zero, scale, d);
+                    dequantize16(u8x16_shr(v, 4), zero, scale, d.add(GROUP / 2));
+                }
+            }
+        }
+    }
+
+    /// One column of 8-bit blocks of `bs` (a multiple of 16) as f32 with simd128.
+    pub fn dequantize_q8(
+        src: &[u8],
+        bs: usize,
+        scales: &[f32],
+        zero: impl Fn(usize) -> f32,
+        dst: &mut [f32],
+    ) {
+        let blocks = src.len() / bs;
+        assert!(
+            blocks <= scales.len() && dst.len() >= blocks * bs && bs.is_multiple_of(16),
+            "dequantize_q8: {} bytes, {} scales, {} values, blocks of {bs}",
+            src.len(),
+            scales.len(),
+            dst.len()
+        );
+        for blk in 0..blocks {
+            let (zero, scale) = (f32x4_splat(zero(blk)), f32x4_splat(scales[blk]));
+            for c in blk * bs / 16..(blk + 1) * bs / 16 {
+                // SAFETY: chunk c reads src[16c..16c+16] and writes dst[16c..16c+16], in
+                // bounds (asserted above).
+                unsafe {
+                    let v = v128_load(src.as_ptr().add(c * 16) as *const v128);
+                    dequantize16(v, zero, scale, dst.as_mut_ptr().add(c * 16));
+                }
+            }
+        }
+    }
 
     /// `sum_k x[k] * w[k]` over one column of 4-bit blocks of `bs` (whole groups of 32, `x`
     /// permuted to the nibble order), integer zero points, with simd128: 16 bytes give 32
