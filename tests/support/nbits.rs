@@ -6,16 +6,21 @@
 
 use onnx_generate::model::ops::matmul_nbits::{matmul, NBits, Zero};
 
-/// Each output is within the rounding bound of the 16-bit row (half of 1/32767 of its group's
-/// largest magnitude, times the weight, summed) plus f32 rounding; a NaN in the row gives NaN.
-pub fn check_q4_decode() {
-    let mut state = 0x243f_6a88_85a3_08d3u64;
-    let mut next = move || {
+/// A deterministic pseudo-random stream of u32 (xorshift64).
+fn stream(seed: u64) -> impl FnMut() -> u32 {
+    let mut state = seed;
+    move || {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
         (state >> 32) as u32
-    };
+    }
+}
+
+/// Each output is within the rounding bound of the 16-bit row (half of 1/32767 of its group's
+/// largest magnitude, times the weight, summed) plus f32 rounding; a NaN in the row gives NaN.
+pub fn check_q4_decode() {
+    let mut next = stream(0x243f_6a88_85a3_08d3);
     // Block size, K (a partial last block for 200 and 130), N, packed zero points.
     for (bs, k, n, packed) in [
         (32, 96, 7, false),
@@ -100,13 +105,7 @@ pub fn check_q4_decode() {
 /// partial last block), default, packed and float zero points, 2, 3 and 5 rows, N not a
 /// multiple of 4.
 pub fn check_prompt() {
-    let mut state = 0x1319_8a2e_0370_7344u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 32) as u32
-    };
+    let mut next = stream(0x1319_8a2e_0370_7344);
     // Bits, block size, K, N, zero points (0 default, 1 packed, 2 float).
     for (bits, bs, k, n, zp_kind) in [
         (4, 16, 80, 7, 1),
