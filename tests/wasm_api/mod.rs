@@ -586,12 +586,13 @@ fn f16_kernels_match_the_f32_kernels() {
 
 /// The simd128 int8 kernels of `MatMulInteger` (`model::ops::matmul_integer`) give the exact
 /// integer sums: signed and unsigned weights, K odd or not a multiple of four (the rows the
-/// one-row kernel leaves to the portable one), N not a multiple of 16, one row (decoding) to
-/// thirteen (a prompt: passes of six rows and every shorter last pass).
+/// one-row kernel leaves to the portable one), N not a multiple of 16 (and over four blocks of
+/// 16, the prompt kernel's group), one row (decoding) to thirteen (a prompt: passes of six rows
+/// and every shorter last pass).
 #[wasm_bindgen_test]
 fn int8_kernel_is_exact() {
     use onnx_generate::model::ops::matmul_integer::{matmul, Bytes};
-    for (k, n) in [(7usize, 5usize), (33, 37), (64, 48), (70, 32)] {
+    for (k, n) in [(7usize, 5usize), (33, 37), (64, 48), (70, 32), (33, 90)] {
         let w: Vec<u8> = (0..k * n).map(|i| (i * 73 % 256) as u8).collect();
         let signed: Vec<i8> = w.iter().map(|&b| b as i8).collect();
         for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13] {

@@ -401,13 +401,19 @@ mod kernels {
     /// and the multiplier fit in the sixteen vector registers of x86.
     const ROWS: usize = 6;
 
-    /// Several rows of `a` (a prompt; one goes to `matvec`), sixteen columns of `w` at a time:
-    /// the block's bytes are widened once, two rows of `w` interleaved into i16 pairs
-    /// (`widen_pairs`), into `wide`; then each half of the block (eight columns) is multiplied
+    /// Blocks of sixteen columns the prompt kernel widens at a time: their rows of `w` are
+    /// read 64 bytes (a cache line) at a time, where one block's rows were 16 bytes each,
+    /// `stride` apart.
+    const GROUP: usize = 4;
+
+    /// Several rows of `a` (a prompt; one goes to `matvec`), in blocks of sixteen columns of
+    /// `w`: `GROUP` blocks' bytes are widened once, two rows of `w` interleaved into i16 pairs
+    /// (`widen_pairs`), into `wide`; then each half of a block (eight columns) is multiplied
     /// with `ROWS` rows of `a` a pass by `i32x4.dot_i16x8_s` with the pair `(a[k], a[k + 1])`.
-    /// 23 GMAC/s in Node for SmolLM2's shapes and 37 rows, against 7 when each pair of rows of
-    /// `a` widened the weights again and kept sixteen columns of sums for each. The columns
-    /// past the last 16 and an odd last row of `w` are added by the portable kernel.
+    /// 19-23 GMAC/s in Node for SmolLM2's shapes and 37 rows with the weights in cache (16 from
+    /// memory), against 7 when each pair of rows of `a` widened the weights again and kept
+    /// sixteen columns of sums for each. The columns past the last 16 and an odd last row of
+    /// `w` are added by the portable kernel.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul<const SIGNED: bool>(
         a: &[i16],
@@ -434,46 +440,51 @@ mod kernels {
             pairs.extend(row.chunks_exact(2).map(|p| pair(p[0], p[1])));
         }
         let blocks = n / 16;
-        // One block's widened weights: those of columns 8h..8h + 8 at 2 (h pairs_k + i), two
-        // vectors per pair of rows i, so that a pass over one half reads them in order.
-        let mut wide = vec![i32x4_splat(0); 4 * pairs_k];
-        for blk in 0..blocks {
+        // The widened weights of `GROUP` blocks: block g's columns 8h..8h + 8 at
+        // 4 g pairs_k + 2 (h pairs_k + i), two vectors per pair of rows i, so that a pass over
+        // one half reads them in order.
+        let mut wide = vec![i32x4_splat(0); 4 * pairs_k * GROUP];
+        for first in (0..blocks).step_by(GROUP) {
+            let count = GROUP.min(blocks - first);
             for i in 0..pairs_k {
-                // SAFETY: rows 2i and 2i + 1 of w, columns 16 blk..16 blk + 16, are within the
-                // asserted bytes (2i + 1 < k, 16 blk + 16 <= n); v128_load is unaligned.
-                let v = unsafe {
-                    let p = w.add(2 * i * stride + blk * 16);
-                    widen_pairs::<SIGNED>(
-                        v128_load(p as *const v128),
-                        v128_load(p.add(stride) as *const v128),
-                    )
-                };
-                wide[2 * i..2 * i + 2].copy_from_slice(&v[..2]);
-                wide[2 * (pairs_k + i)..2 * (pairs_k + i) + 2].copy_from_slice(&v[2..]);
-            }
-            for half in 0..2 {
-                let wide = &wide[2 * half * pairs_k..2 * (half + 1) * pairs_k];
-                let col = blk * 16 + 8 * half;
-                let mut r = 0;
-                while r < rows {
-                    let m = ROWS.min(rows - r);
-                    let pass = match m {
-                        6 => pass::<6>,
-                        5 => pass::<5>,
-                        4 => pass::<4>,
-                        3 => pass::<3>,
-                        2 => pass::<2>,
-                        _ => pass::<1>,
+                for g in 0..count {
+                    // SAFETY: rows 2i and 2i + 1 of w, the sixteen columns of block first + g,
+                    // are within the asserted bytes (2i + 1 < k, 16 (first + g) + 16 <= n);
+                    // v128_load is unaligned.
+                    let v = unsafe {
+                        let p = w.add(2 * i * stride + (first + g) * 16);
+                        widen_pairs::<SIGNED>(
+                            v128_load(p as *const v128),
+                            v128_load(p.add(stride) as *const v128),
+                        )
                     };
-                    pass(
-                        wide,
-                        &pairs[r * pairs_k..(r + m) * pairs_k],
-                        pairs_k,
-                        &mut out[r * n..],
-                        n,
-                        col,
-                    );
-                    r += m;
+                    let (lo, hi) = (4 * g * pairs_k + 2 * i, 4 * g * pairs_k + 2 * (pairs_k + i));
+                    wide[lo] = v[0];
+                    wide[lo + 1] = v[1];
+                    wide[hi] = v[2];
+                    wide[hi + 1] = v[3];
+                }
+            }
+            for g in 0..count {
+                for half in 0..2 {
+                    let at = 4 * g * pairs_k + 2 * half * pairs_k;
+                    let wide = &wide[at..at + 2 * pairs_k];
+                    let col = (first + g) * 16 + 8 * half;
+                    let mut r = 0;
+                    while r < rows {
+                        let m = ROWS.min(rows - r);
+                        let pass = match m {
+                            6 => pass::<6>,
+                            5 => pass::<5>,
+                            4 => pass::<4>,
+                            3 => pass::<3>,
+                            2 => pass::<2>,
+                            _ => pass::<1>,
+                        };
+                        let pairs = &pairs[r * pairs_k..(r + m) * pairs_k];
+                        pass(wide, pairs, pairs_k, &mut out[r * n..], n, col);
+                        r += m;
+                    }
                 }
             }
         }
