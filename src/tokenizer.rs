@@ -30,9 +30,9 @@ impl Tokenizer {
         // the model's fields straight from the JSON. `tokenizers::Tokenizer` reads every model
         // through `ModelWrapper`'s untagged enum, which holds the whole model (vocabulary and
         // merges) in serde's `Content`, then in a `serde_json::Value`, before `BPE` reads it:
-        // SmolLM2's tokenizer took 316 ms to load in wasm, most of it there. The same `BPE`
-        // deserializer runs either way; other models (and a file that is no BPE) take the
-        // general path.
+        // SmolLM2's tokenizer loaded in 316 ms in a Node profile that way, 207 ms this way. The
+        // same `BPE` deserializer runs either way; other models (and a file that is no BPE)
+        // take the general path.
         let inner = match serde_json::from_slice::<BpeTokenizer>(bytes) {
             Ok(bpe) => tokenizers::Tokenizer::from(bpe),
             Err(_) => tokenizers::Tokenizer::from_bytes(bytes)
