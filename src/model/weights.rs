@@ -9,6 +9,10 @@
 //! * A `MatMul` whose `B` is the `Transpose` of a rank-2 initializer (a tied `lm_head` reading
 //!   the embedding table) becomes a `MatMulWeights` node reading the table itself: tract would
 //!   otherwise keep a transposed copy and a packed copy of it.
+//! * An 8-bit matrix `[K, N]` that only `MatMulInteger`s read (as their `B`, at the top level)
+//!   is stored in blocks of sixteen columns in place (`ops/matmul_integer.rs`,
+//!   `Layout::Blocks`), the nodes' `layout` attribute set to say so: a decoding step reads
+//!   each block in one stream.
 //! * In decoder and encoder graphs, the `MatMul`s of runtime operands (the attention products)
 //!   become `MatMulRuntime` (`runtime_matmuls`); one by a `Transpose` of the last two axes
 //!   (scaled or not: the keys of `Q K^T`) reads the untransposed tensor (`trans_b`).
@@ -29,11 +33,14 @@ use tract_onnx::pb;
 use crate::error::{Error, Result};
 use crate::model::onnx::Apart;
 use crate::model::ops::linalg::{transpose_nk, transpose_panels};
+use crate::model::ops::matmul_integer;
 use crate::model::ops::matmul_weights::Layout;
 use tract_onnx::prelude::Tensor;
 
 const FLOAT: i32 = pb::tensor_proto::DataType::Float as i32;
 const FLOAT16: i32 = pb::tensor_proto::DataType::Float16 as i32;
+const INT8: i32 = pb::tensor_proto::DataType::Int8 as i32;
+const UINT8: i32 = pb::tensor_proto::DataType::Uint8 as i32;
 
 /// The op type of the rewritten `MatMul`s (registered in `ops/mod.rs`).
 pub const MATMUL_WEIGHTS: &str = "MatMulWeights";
@@ -108,6 +115,7 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
             (b.clone(), layout)
         })
         .collect();
+    let integer_blocks = integer_block_matrices(graph, &readers, &in_bytes, &shadowed);
     drop((readers, in_bytes, panel_ready));
     let mut kept_f16: HashSet<String> = HashSet::new();
     weights_in_subgraphs(&mut graph.node, &transpose, &mut kept_f16);
@@ -162,6 +170,19 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         if let Some(&layout) = transpose.get(&t.name) {
             transpose_matrix(t, apart.get_mut(&t.name), layout)?;
         }
+        if integer_blocks.contains(&t.name) {
+            matrix_to_blocks(t, apart.get_mut(&t.name))?;
+        }
+    }
+    for node in graph.node.iter_mut() {
+        if is_matmul_integer(node) && integer_blocks.contains(&node.input[1]) {
+            node.attribute.push(pb::AttributeProto {
+                name: "layout".into(),
+                r#type: pb::attribute_proto::AttributeType::Int as i32,
+                i: matmul_integer::BLOCKS_ATTRIBUTE,
+                ..Default::default()
+            });
+        }
     }
     if !f16 {
         return Ok(());
@@ -194,6 +215,86 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
 struct Reads {
     all: usize,
     matmul_b: usize,
+}
+
+/// An ONNX `MatMulInteger` with a `B` and one output.
+fn is_matmul_integer(node: &pb::NodeProto) -> bool {
+    node.op_type == "MatMulInteger"
+        && node.domain.is_empty()
+        && node.input.len() >= 2
+        && node.output.len() == 1
+}
+
+/// The 8-bit matrices `[K, N]` (K a multiple of 4, N of 16, their data bytes) that only
+/// `MatMulInteger`s of the graph read, as their `B`, each with no zero point or one initializer
+/// of its type with one value or one per column (what `ops::matmul_integer` takes; tract's own
+/// `MatMulInteger` would read the blocks as rows): stored in blocks
+/// (`matmul_integer::Layout::Blocks`), so that a decoding step reads each block of sixteen
+/// columns in one stream.
+fn integer_block_matrices(
+    graph: &pb::GraphProto,
+    readers: &HashMap<String, Reads>,
+    in_bytes: &HashSet<&str>,
+    shadowed: &HashSet<String>,
+) -> HashSet<String> {
+    let initializers: HashMap<&str, &pb::TensorProto> = graph
+        .initializer
+        .iter()
+        .map(|t| (t.name.as_str(), t))
+        .collect();
+    let eight_bits = [INT8, UINT8];
+    let fits = |t: &pb::TensorProto| match t.dims.as_slice() {
+        &[k, n] if k > 0 && n > 0 && eight_bits.contains(&t.data_type) => {
+            matmul_integer::fits_blocks(k as usize, n as usize)
+        }
+        _ => false,
+    };
+    // Per matrix: its reads as the `B` of a `MatMulInteger` that takes it in blocks.
+    let mut taken: HashMap<&str, usize> = HashMap::new();
+    for node in graph.node.iter().filter(|n| is_matmul_integer(n)) {
+        let Some(b) = initializers.get(node.input[1].as_str()).filter(|b| fits(b)) else {
+            continue;
+        };
+        let zero_fits = match node.input.get(3).filter(|z| !z.is_empty()) {
+            None => true,
+            Some(z) => initializers.get(z.as_str()).is_some_and(|z| {
+                let len: i64 = z.dims.iter().product();
+                z.data_type == b.data_type && (len == 1 || len == b.dims[1])
+            }),
+        };
+        if zero_fits {
+            *taken.entry(b.name.as_str()).or_default() += 1;
+        }
+    }
+    taken
+        .into_iter()
+        .filter(|(b, count)| readers.get(*b).is_some_and(|r| r.all == *count))
+        .filter(|(b, _)| in_bytes.contains(b) && !shadowed.contains(*b))
+        .filter(|(b, _)| !graph.output.iter().any(|o| o.name == *b))
+        .map(|(b, _)| b.to_string())
+        .collect()
+}
+
+/// An 8-bit matrix `[K, N]` into blocks, in place from one copy (`matmul_integer::to_blocks`);
+/// its dims stay `[K, N]`.
+fn matrix_to_blocks(t: &mut pb::TensorProto, apart: Option<&mut Tensor>) -> Result<()> {
+    let (k, n) = (t.dims[0] as usize, t.dims[1] as usize);
+    let bytes = match apart {
+        Some(tensor) => tensor.as_bytes_mut(),
+        None => &mut t.raw_data[..],
+    };
+    if bytes.len() != k * n {
+        return Err(Error::Model(format!(
+            "tensor `{}` of dims {:?} has {} bytes; expected {}",
+            t.name,
+            t.dims,
+            bytes.len(),
+            k * n
+        )));
+    }
+    let copy = bytes.to_vec();
+    matmul_integer::to_blocks(&copy, k, n, bytes);
+    Ok(())
 }
 
 /// An ONNX `MatMul` of two inputs.
@@ -733,5 +834,153 @@ mod tests {
             matrix::<4>(k, n),
             "e as it was"
         );
+    }
+
+    /// `MatMulInteger`s by `w` (`[8, 32]` int8, a zero point per column) read it in blocks:
+    /// permuted in place, the nodes' `layout` set, and tract's plan gives the same integer sums
+    /// as the graph before the rewrite, for a prompt's three rows and a step's one. `v`, also
+    /// read by a `Cast`, and `u`, `[6, 32]`, stay as they are.
+    #[test]
+    fn integer_matrices_read_only_by_matmul_integers_are_in_blocks() {
+        use tract_onnx::prelude::*;
+        let (k, n) = (8usize, 32usize);
+        let bytes = |k: usize| {
+            (0..k * n)
+                .map(|i| (i * 37 % 251) as u8)
+                .collect::<Vec<u8>>()
+        };
+        let init = |name: &str, dims: Vec<i64>, raw_data: Vec<u8>| pb::TensorProto {
+            name: name.into(),
+            data_type: INT8,
+            dims,
+            raw_data,
+            ..Default::default()
+        };
+        let node = |op: &str, inputs: &[&str], outputs: &[&str]| pb::NodeProto {
+            op_type: op.into(),
+            name: outputs[0].into(),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        let value = |name: &str, elem_type: i32| pb::ValueInfoProto {
+            name: name.into(),
+            r#type: Some(pb::TypeProto {
+                value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
+                    elem_type,
+                    shape: None,
+                })),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let zero: Vec<u8> = (0..n).map(|j| (j as i8 - 16) as u8).collect();
+        let mut cast = node("Cast", &["v"], &["vf"]);
+        cast.attribute.push(pb::AttributeProto {
+            name: "to".into(),
+            r#type: pb::attribute_proto::AttributeType::Int as i32,
+            i: FLOAT as i64,
+            ..Default::default()
+        });
+        let int32 = pb::tensor_proto::DataType::Int32 as i32;
+        let original = pb::ModelProto {
+            ir_version: 8,
+            opset_import: vec![pb::OperatorSetIdProto {
+                domain: String::new(),
+                version: 17,
+            }],
+            graph: Some(pb::GraphProto {
+                node: vec![
+                    node("DynamicQuantizeLinear", &["a"], &["aq", "as", "az"]),
+                    node("MatMulInteger", &["aq", "w", "az", "wz"], &["yw"]),
+                    node("MatMulInteger", &["aq", "v", "az"], &["yv"]),
+                    node("Slice", &["a", "from", "to", "axis"], &["a6"]),
+                    node("DynamicQuantizeLinear", &["a6"], &["a6q", "a6s", "a6z"]),
+                    node("MatMulInteger", &["a6q", "u"], &["yu6"]),
+                    cast,
+                ],
+                initializer: vec![
+                    init("w", vec![k as i64, n as i64], bytes(k)),
+                    init("wz", vec![n as i64], zero),
+                    init("v", vec![k as i64, n as i64], bytes(k)),
+                    init("u", vec![6, n as i64], bytes(6)),
+                    pb::TensorProto {
+                        name: "from".into(),
+                        data_type: pb::tensor_proto::DataType::Int64 as i32,
+                        dims: vec![1],
+                        int64_data: vec![0],
+                        ..Default::default()
+                    },
+                    pb::TensorProto {
+                        name: "to".into(),
+                        data_type: pb::tensor_proto::DataType::Int64 as i32,
+                        dims: vec![1],
+                        int64_data: vec![6],
+                        ..Default::default()
+                    },
+                    pb::TensorProto {
+                        name: "axis".into(),
+                        data_type: pb::tensor_proto::DataType::Int64 as i32,
+                        dims: vec![1],
+                        int64_data: vec![1],
+                        ..Default::default()
+                    },
+                ],
+                input: vec![value("a", FLOAT)],
+                output: vec![
+                    value("yw", int32),
+                    value("yv", int32),
+                    value("yu6", int32),
+                    value("vf", FLOAT),
+                ],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut rewritten = original.clone();
+        rewrite(&mut rewritten, &mut Apart::default()).unwrap();
+        let graph = rewritten.graph.as_ref().unwrap();
+        let layout = |output: &str| {
+            let node = graph.node.iter().find(|n| n.output[0] == output).unwrap();
+            node.attribute
+                .iter()
+                .find(|a| a.name == "layout")
+                .map(|a| a.i)
+        };
+        assert_eq!(layout("yw"), Some(matmul_integer::BLOCKS_ATTRIBUTE));
+        assert_eq!((layout("yv"), layout("yu6")), (None, None));
+        let mut blocks = vec![0u8; k * n];
+        matmul_integer::to_blocks(&bytes(k), k, n, &mut blocks);
+        let raw = |name: &str| {
+            &graph
+                .initializer
+                .iter()
+                .find(|t| t.name == name)
+                .unwrap()
+                .raw_data
+        };
+        assert_eq!(raw("w"), &blocks);
+        assert_eq!((raw("v"), raw("u")), (&bytes(k), &bytes(6)));
+        for rows in [3usize, 1] {
+            let a: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let run = |proto: &pb::ModelProto| {
+                let mut model = crate::model::ops::onnx()
+                    .model_for_proto_model(proto)
+                    .unwrap();
+                model
+                    .set_input_fact(0, InferenceFact::dt_shape(f32::datum_type(), [rows, k]))
+                    .unwrap();
+                let plan = model.into_optimized().unwrap().into_runnable().unwrap();
+                let a = Tensor::from_shape(&[rows, k], &a).unwrap();
+                plan.run(tvec![a.into_tvalue()]).unwrap()
+            };
+            let (want, got) = (run(&original), run(&rewritten));
+            for (i, (want, got)) in want.iter().zip(&got).enumerate() {
+                assert_eq!(want, got, "output {i}, {rows} rows");
+            }
+            let plain = got[0].try_as_plain_ram().unwrap();
+            let sums = plain.as_slice::<i32>().unwrap();
+            assert!(sums.iter().any(|&s| s != 0), "{rows} rows: {sums:?}");
+        }
     }
 }

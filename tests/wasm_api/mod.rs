@@ -588,13 +588,30 @@ fn f16_kernels_match_the_f32_kernels() {
 /// integer sums: signed and unsigned weights, K odd or not a multiple of four (the rows the
 /// one-row kernel leaves to the portable one), N not a multiple of 16 (and over four blocks of
 /// 16, the prompt kernel's group), one row (decoding) to thirteen (a prompt: passes of six rows
-/// and every shorter last pass).
+/// and every shorter last pass); the weight as it lies and, where the shape fits, in blocks
+/// (five blocks: a group and one more).
 #[wasm_bindgen_test]
 fn int8_kernel_is_exact() {
-    use onnx_generate::model::ops::matmul_integer::{matmul, Bytes};
-    for (k, n) in [(7usize, 5usize), (33, 37), (64, 48), (70, 32), (33, 90)] {
+    use onnx_generate::model::ops::matmul_integer::{
+        fits_blocks, matmul, to_blocks, Bytes, Layout,
+    };
+    for (k, n) in [
+        (7usize, 5usize),
+        (33, 37),
+        (64, 48),
+        (70, 32),
+        (33, 90),
+        (8, 80),
+        (576, 64),
+    ] {
         let w: Vec<u8> = (0..k * n).map(|i| (i * 73 % 256) as u8).collect();
-        let signed: Vec<i8> = w.iter().map(|&b| b as i8).collect();
+        let mut in_blocks = vec![0u8; k * n];
+        let layouts = if fits_blocks(k, n) {
+            to_blocks(&w, k, n, &mut in_blocks);
+            vec![(Layout::Rows, &w), (Layout::Blocks, &in_blocks)]
+        } else {
+            vec![(Layout::Rows, &w)]
+        };
         for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13] {
             let a: Vec<i16> = (0..rows * k).map(|i| (i * 97 % 511) as i16 - 255).collect();
             for is_signed in [true, false] {
@@ -610,14 +627,20 @@ fn int8_kernel_is_exact() {
                             .sum()
                     })
                     .collect();
-                let bytes = if is_signed {
-                    Bytes::I8(&signed)
-                } else {
-                    Bytes::U8(&w)
-                };
-                let mut got = vec![0i32; rows * n];
-                matmul(&a, rows, bytes, k, n, &mut got);
-                assert_eq!(got, want, "k={k} n={n} rows={rows} signed={is_signed}");
+                for &(layout, w) in &layouts {
+                    let signed: Vec<i8> = w.iter().map(|&b| b as i8).collect();
+                    let bytes = if is_signed {
+                        Bytes::I8(&signed)
+                    } else {
+                        Bytes::U8(w)
+                    };
+                    let mut got = vec![0i32; rows * n];
+                    matmul(&a, rows, bytes, k, n, layout, &mut got);
+                    assert_eq!(
+                        got, want,
+                        "k={k} n={n} rows={rows} signed={is_signed} {layout:?}"
+                    );
+                }
             }
         }
     }

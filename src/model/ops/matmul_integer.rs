@@ -2,14 +2,18 @@
 //! exports: `DynamicQuantizeLinear` -> `MatMulInteger` -> `Cast` -> `Mul` by the scales):
 //! `Y[m, n] = sum_k (A[m, k] - a_zero) * (B[k, n] - b_zero[n])`, int32.
 //!
-//! The weight is read where it lies, one byte a weight. `A - a_zero` is formed once per row as
-//! int16 pairs, and the simd128 kernels multiply two rows of `B` at a time with
-//! `i32x4.dot_i16x8_s`: a prompt's rows of `A` two at a time down sixteen columns of `B`, a
-//! decoding step's single row four rows of `B` at a time across all columns; the `B` zero point is
-//! subtracted afterwards as `b_zero[n] * sum_k (A[m, k] - a_zero)`. Integer sums are exact, so
-//! every kernel gives the same values as tract's own `MatMulInteger`, which this replaces
-//! (SmolLM2 int8 decoded at 0.6x transformers.js with it: its int32 kernel computes a 4x4 tile
-//! for the single row of a decode step, and the weights are repacked at load).
+//! The weight is read one byte a weight, in one of two [`Layout`]s: as it lies (`[K, N]`), or
+//! in column blocks (`Layout::Blocks`, [`to_blocks`]: the rewrite before tract stores a
+//! matrix that only `MatMulInteger`s read so, in place, when K is a multiple of 4 and N of 16,
+//! and sets the node's `layout` attribute to 1). `A - a_zero` is formed once per row as int16,
+//! and the simd128 kernels multiply pairs of weights with `i32x4.dot_i16x8_s`: a prompt's
+//! rows six at a time down widened blocks of columns, a decoding step's single row down each
+//! block of columns in one stream (in blocks) or four rows of `B` at a time across all
+//! columns (as it lies); the `B` zero point is subtracted afterwards as
+//! `b_zero[n] * sum_k (A[m, k] - a_zero)`. Integer sums are exact, so every kernel gives the
+//! same values as tract's own `MatMulInteger`, which this replaces (SmolLM2 int8 decoded at
+//! 0.6x transformers.js with it: its int32 kernel computes a 4x4 tile for the single row of a
+//! decode step, and the weights are repacked at load).
 //!
 //! Other forms (a `B` computed in the graph, not 2-D or not 8-bit, a zero point that is not an
 //! initializer) go to tract-onnx's `MatMulInteger`.
@@ -23,10 +27,47 @@ use super::{initializer, input_slot, matmul_output_fact, node_label};
 /// tract-onnx's builder, for the forms this op leaves to it.
 pub(super) static TRACT: super::TractBuilder = super::TractBuilder::new();
 
+/// How the weight's bytes lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// `[K, N]`, as in the file.
+    Rows,
+    /// Blocks of 16 columns, one after the other, each `K x 16` bytes: for every four rows of
+    /// `B` (a quad), 64 bytes, the four weights of column 0, then those of column 1, ..
+    /// (byte `4 c + i` of quad `q` is `B[4 q + i, 16 b + c]`). A decoding step reads each block
+    /// front to back, its sixteen sums in registers. K must be a multiple of 4, N of 16.
+    Blocks,
+}
+
+/// The value of the `layout` attribute of a `MatMulInteger` whose weight is in blocks.
+pub const BLOCKS_ATTRIBUTE: i64 = 1;
+
+/// Whether a `[k, n]` weight can be stored in blocks.
+pub fn fits_blocks(k: usize, n: usize) -> bool {
+    k.is_multiple_of(4) && n.is_multiple_of(16)
+}
+
+/// `src`, a `[k, n]` matrix of bytes, into `dst` in blocks (`Layout::Blocks`); `k` and `n` fit
+/// ([`fits_blocks`]).
+pub fn to_blocks(src: &[u8], k: usize, n: usize, dst: &mut [u8]) {
+    assert!(fits_blocks(k, n) && src.len() == k * n && dst.len() == k * n);
+    for (b, block) in dst.chunks_exact_mut(16 * k).enumerate() {
+        for (q, quad) in block.chunks_exact_mut(64).enumerate() {
+            for i in 0..4 {
+                let row = &src[(4 * q + i) * n + 16 * b..][..16];
+                for (c, &v) in row.iter().enumerate() {
+                    quad[4 * c + i] = v;
+                }
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IntegerWeights {
     pub k: usize,
     pub n: usize,
+    pub layout: Layout,
     /// Slots among the wired inputs.
     pub a_zero: Option<usize>,
     pub b_zero: Option<usize>,
@@ -37,7 +78,29 @@ pub fn matmul_integer(
     ctx: &ParsingContext,
     node: &NodeProto,
 ) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)> {
+    let label = node_label(node);
+    let blocks = match node.get_attr_opt::<i64>("layout")? {
+        None => false,
+        Some(BLOCKS_ATTRIBUTE) => true,
+        Some(v) => bail!("{label}: layout {v}; expected {BLOCKS_ATTRIBUTE} (blocks)"),
+    };
     match parse(ctx, node) {
+        Some(mut op) if blocks => {
+            if !fits_blocks(op.k, op.n) {
+                bail!(
+                    "{label}: B in blocks needs K a multiple of 4 and N of 16; it is [{}, {}]",
+                    op.k,
+                    op.n
+                );
+            }
+            op.layout = Layout::Blocks;
+            Ok((expand(op), vec![]))
+        }
+        // tract would read the blocks as rows.
+        None if blocks => bail!(
+            "{label}: B in blocks must be an 8-bit matrix initializer with a zero point of \
+             its type (one, or one per column), and the node one output"
+        ),
         Some(op) => Ok((expand(op), vec![])),
         None => TRACT.build(ctx, node),
     }
@@ -68,6 +131,7 @@ fn parse(ctx: &ParsingContext, node: &NodeProto) -> Option<IntegerWeights> {
     Some(IntegerWeights {
         k,
         n,
+        layout: Layout::Rows,
         a_zero: input_slot(node, 2),
         b_zero,
         label: node_label(node),
@@ -197,7 +261,7 @@ impl EvalOp for IntegerWeightsOp {
         } else {
             Bytes::I8(plain.as_slice::<i8>()?)
         };
-        matmul(&shifted, rows, w, k, n, &mut out);
+        matmul(&shifted, rows, w, k, n, op.layout, &mut out);
         if b_zero.iter().any(|&z| z != 0) {
             for (r, row) in out.chunks_exact_mut(n).enumerate() {
                 let sum = shifted[r * k..(r + 1) * k]
@@ -228,33 +292,57 @@ pub enum Bytes<'a> {
     U8(&'a [u8]),
 }
 
-/// `out[r, j] = sum_k a[r, k] * w[k, j]` (wrapping i32 sums), `a` `[rows, k]`, `w` `[k, n]`;
-/// under the `threads` feature the columns are split across the threads (`parallel`).
-pub fn matmul(a: &[i16], rows: usize, w: Bytes, k: usize, n: usize, out: &mut [i32]) {
+/// `out[r, j] = sum_k a[r, k] * w[k, j]` (wrapping i32 sums), `a` `[rows, k]`, `w` `[k, n]` in
+/// `layout`; under the `threads` feature the columns are split across the threads
+/// (`parallel`).
+pub fn matmul(
+    a: &[i16],
+    rows: usize,
+    w: Bytes,
+    k: usize,
+    n: usize,
+    layout: Layout,
+    out: &mut [i32],
+) {
     let parts = super::parallel::parts_for(rows * k * n);
-    matmul_in_parts(a, rows, w, k, n, out, parts)
+    matmul_in_parts(a, rows, w, k, n, layout, out, parts)
 }
 
-/// [`matmul`] with the output columns split in `parts` ranges (integer sums: the same values
-/// for any split).
+/// [`matmul`] with the output columns split in `parts` ranges of whole blocks of 16 (integer
+/// sums: the same values for any split).
+#[allow(clippy::too_many_arguments)]
 fn matmul_in_parts(
     a: &[i16],
     rows: usize,
     w: Bytes,
     k: usize,
     n: usize,
+    layout: Layout,
     out: &mut [i32],
     parts: usize,
 ) {
-    super::parallel::by_columns(out, rows, n, 16, parts, |cols, block| match w {
-        Bytes::I8(w) => {
-            let w = &w[cols.start..];
-            let p = w.as_ptr() as *const u8;
-            kernels::matmul::<true>(a, rows, p, w.len(), k, n, cols.len(), block)
-        }
-        Bytes::U8(w) => {
-            let w = &w[cols.start..];
-            kernels::matmul::<false>(a, rows, w.as_ptr(), w.len(), k, n, cols.len(), block)
+    let (signed, w) = match w {
+        // SAFETY: the same memory, read as bytes.
+        Bytes::I8(w) => (true, unsafe {
+            std::slice::from_raw_parts(w.as_ptr() as *const u8, w.len())
+        }),
+        Bytes::U8(w) => (false, w),
+    };
+    super::parallel::by_columns(out, rows, n, 16, parts, |cols, block| {
+        match (layout, signed) {
+            (Layout::Rows, true) => {
+                kernels::rows::<true>(a, rows, &w[cols.start..], k, n, cols.len(), block)
+            }
+            (Layout::Rows, false) => {
+                kernels::rows::<false>(a, rows, &w[cols.start..], k, n, cols.len(), block)
+            }
+            // A range of whole blocks is a contiguous run of them.
+            (Layout::Blocks, true) => {
+                kernels::blocks::<true>(a, rows, &w[cols.start * k..cols.end * k], k, block)
+            }
+            (Layout::Blocks, false) => {
+                kernels::blocks::<false>(a, rows, &w[cols.start * k..cols.end * k], k, block)
+            }
         }
     });
 }
@@ -299,20 +387,38 @@ fn portable<const SIGNED: bool>(
 mod kernels {
     /// The portable kernel (LLVM vectorizes its inner loop): `n` columns of `w`, whose rows are
     /// `stride` apart, into `out` (`[rows, n]`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul<const SIGNED: bool>(
+    pub fn rows<const SIGNED: bool>(
         a: &[i16],
         rows: usize,
-        w: *const u8,
-        len: usize,
+        w: &[u8],
         k: usize,
         stride: usize,
         n: usize,
         out: &mut [i32],
     ) {
-        // SAFETY: `w` and `len` come from a slice (`super::matmul_in_parts`).
-        let w = unsafe { std::slice::from_raw_parts(w, len) };
         super::portable::<SIGNED>(a, rows, w, k, stride, n, 0..k, 0..n, out);
+    }
+
+    /// `out[r, j] = sum_k a[r, k] * W[k, j]` for `W` in blocks (`Layout::Blocks`): `w` holds
+    /// the blocks of the `out.len() / rows` columns of `out` (`[rows, n]`).
+    pub fn blocks<const SIGNED: bool>(a: &[i16], rows: usize, w: &[u8], k: usize, out: &mut [i32]) {
+        let n = out.len() / rows.max(1);
+        for (b, block) in w.chunks_exact(16 * k).enumerate() {
+            for r in 0..rows {
+                let x = &a[r * k..(r + 1) * k];
+                let mut sums = [0i32; 16];
+                for (q, quad) in block.chunks_exact(64).enumerate() {
+                    let x = &x[4 * q..4 * q + 4];
+                    for (sum, column) in sums.iter_mut().zip(quad.chunks_exact(4)) {
+                        for (&x, &v) in x.iter().zip(column) {
+                            *sum =
+                                sum.wrapping_add((x as i32).wrapping_mul(super::byte::<SIGNED>(v)));
+                        }
+                    }
+                }
+                out[r * n + 16 * b..r * n + 16 * b + 16].copy_from_slice(&sums);
+            }
+        }
     }
 }
 
@@ -326,6 +432,16 @@ mod kernels {
         (a as u16 as u32 | (b as u16 as u32) << 16) as i32
     }
 
+    /// The low and high eight bytes of `v` as i16x8, signed or not.
+    #[inline(always)]
+    fn widen<const SIGNED: bool>(v: v128) -> (v128, v128) {
+        if SIGNED {
+            (i16x8_extend_low_i8x16(v), i16x8_extend_high_i8x16(v))
+        } else {
+            (u16x8_extend_low_u8x16(v), u16x8_extend_high_u8x16(v))
+        }
+    }
+
     /// Sixteen columns of two weight rows as four i16x8 vectors of `(r0[j], r1[j])` pairs,
     /// vector `i` those of columns `4i..4i + 4`: the operands of `i32x4.dot_i16x8_s`.
     #[inline(always)]
@@ -333,30 +449,19 @@ mod kernels {
         let lo = i8x16_shuffle::<0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23>(r0, r1);
         let hi =
             i8x16_shuffle::<8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31>(r0, r1);
-        if SIGNED {
-            [
-                i16x8_extend_low_i8x16(lo),
-                i16x8_extend_high_i8x16(lo),
-                i16x8_extend_low_i8x16(hi),
-                i16x8_extend_high_i8x16(hi),
-            ]
-        } else {
-            [
-                u16x8_extend_low_u8x16(lo),
-                u16x8_extend_high_u8x16(lo),
-                u16x8_extend_low_u8x16(hi),
-                u16x8_extend_high_u8x16(hi),
-            ]
-        }
+        let (v0, v1) = widen::<SIGNED>(lo);
+        let (v2, v3) = widen::<SIGNED>(hi);
+        [v0, v1, v2, v3]
     }
 
-    /// One row of `a` (a decoding step): four rows of `w` per pass over the sixteen-column
-    /// blocks of `out`, whose sums stay in memory (L1: at most a few KiB). Each pass reads four
-    /// rows of `w` front to back, which the prefetcher follows; walking down `K` sixteen
-    /// columns at a time (as the prompt kernel does, its rows reusing each block from the
-    /// cache) jumps `stride` bytes per load, and read the weights at 3.4-4.1 GB/s where this
-    /// kernel reads 4.5-5.0 (a test streaming 88 MB; plain reads: 8-9 GB/s). The rows past the
-    /// last four and the columns past the last block are added by the portable kernel.
+    /// One row of `a` (a decoding step), `w` as it lies: four rows of `w` per pass over the
+    /// sixteen-column blocks of `out`, whose sums stay in memory (L1: at most a few KiB). Each
+    /// pass reads four rows of `w` front to back, which the prefetcher follows; walking down
+    /// `K` sixteen columns at a time (as the prompt kernel does, its rows reusing each block
+    /// from the cache) jumps `stride` bytes per load, and read the weights at 3.4-4.1 GB/s
+    /// where this kernel reads 4.5-5.0 (a test streaming 88 MB; plain reads: 8-9 GB/s). The
+    /// rows past the last four and the columns past the last block are added by the portable
+    /// kernel.
     fn matvec<const SIGNED: bool>(
         a: &[i16],
         w: &[u8],
@@ -376,7 +481,7 @@ mod kernels {
             let p = w[4 * q * stride..].as_ptr();
             for blk in 0..blocks {
                 // SAFETY: rows 4q..4q + 4 of w, columns 16 blk..16 blk + 16, are within the
-                // bytes asserted by `matmul` (4q + 3 < k, 16 blk + 16 <= n <= stride), and
+                // bytes asserted by `rows` (4q + 3 < k, 16 blk + 16 <= n <= stride), and
                 // out[16 blk..16 blk + 16] within `out`; v128 loads and stores are unaligned.
                 unsafe {
                     let at = p.add(blk * 16);
@@ -396,53 +501,94 @@ mod kernels {
         super::portable::<SIGNED>(a, 1, w, k, stride, n, 0..k, blocks * 16..n, out);
     }
 
+    /// One row of `a` (a decoding step), `w` in blocks: each block is read front to back in
+    /// one stream, its sixteen columns' sums in eight registers. A quad's 16 bytes of four
+    /// columns widen to two i16x8 of two columns' four weights each, whose `i32x4.dot_i16x8_s`
+    /// with `(a[4q], .., a[4q + 3])` twice gives two partial sums per column, added at the end.
+    /// 14 simd operations per 32 weights, no sums loaded or stored, where `matvec` takes 20:
+    /// in Node, SmolLM2's `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights
+    /// streamed from memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time
+    /// was 1268 ms against 1454 (the prompt's widening included).
+    fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
+        assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
+        for (b, o) in out.chunks_exact_mut(16).enumerate() {
+            let mut acc = [i32x4_splat(0); 8];
+            // SAFETY: block b is bytes 16 k b..16 k (b + 1) of w, quad q its bytes 64 q..64 q
+            // + 64 (q < k / 4), and a[4q..4q + 4] within a (asserted); loads are unaligned.
+            unsafe {
+                let p = w.as_ptr().add(16 * k * b);
+                for q in 0..k / 4 {
+                    let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
+                    for j in 0..4 {
+                        let (lo, hi) =
+                            widen::<SIGNED>(v128_load(p.add(64 * q + 16 * j) as *const v128));
+                        acc[2 * j] = i32x4_add(acc[2 * j], i32x4_dot_i16x8(lo, x));
+                        acc[2 * j + 1] = i32x4_add(acc[2 * j + 1], i32x4_dot_i16x8(hi, x));
+                    }
+                }
+                for j in 0..4 {
+                    let (s0, s1) = (acc[2 * j], acc[2 * j + 1]);
+                    let sums = i32x4_add(
+                        i32x4_shuffle::<0, 2, 4, 6>(s0, s1),
+                        i32x4_shuffle::<1, 3, 5, 7>(s0, s1),
+                    );
+                    v128_store(o.as_mut_ptr().add(4 * j) as *mut v128, sums);
+                }
+            }
+        }
+    }
+
     /// Rows of `a` a pass of the prompt kernel multiplies with a block's widened weights:
     /// six rows by eight columns are twelve accumulators, which with the two weight vectors
     /// and the multiplier fit in the sixteen vector registers of x86.
     const ROWS: usize = 6;
 
-    /// Blocks of sixteen columns the prompt kernel widens at a time: their rows of `w` are
-    /// read 64 bytes (a cache line) at a time, where one block's rows were 16 bytes each,
-    /// `stride` apart.
+    /// Blocks of sixteen columns the prompt kernel widens at a time: their rows of `w` (as it
+    /// lies) are read 64 bytes (a cache line) at a time, where one block's rows were 16 bytes
+    /// each, `stride` apart.
     const GROUP: usize = 4;
 
-    /// Several rows of `a` (a prompt; one goes to `matvec`), in blocks of sixteen columns of
-    /// `w`: `GROUP` blocks' bytes are widened once, two rows of `w` interleaved into i16 pairs
-    /// (`widen_pairs`), into `wide`; then each half of a block (eight columns) is multiplied
-    /// with `ROWS` rows of `a` a pass by `i32x4.dot_i16x8_s` with the pair `(a[k], a[k + 1])`.
-    /// 19-23 GMAC/s in Node for SmolLM2's shapes and 37 rows with the weights in cache (16 from
-    /// memory), against 7 when each pair of rows of `a` widened the weights again and kept
-    /// sixteen columns of sums for each. The columns past the last 16 and an odd last row of
-    /// `w` are added by the portable kernel.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul<const SIGNED: bool>(
-        a: &[i16],
-        rows: usize,
-        w: *const u8,
-        len: usize,
-        k: usize,
-        stride: usize,
-        n: usize,
-        out: &mut [i32],
-    ) {
-        assert!(k == 0 || (n <= stride && (k - 1) * stride + n <= len));
-        assert!(a.len() == rows * k && out.len() == rows * n);
-        // SAFETY: `w` and `len` come from a slice (`super::matmul_in_parts`).
-        let bytes = unsafe { std::slice::from_raw_parts(w, len) };
-        if rows == 1 {
-            return matvec::<SIGNED>(a, bytes, k, stride, n, out);
-        }
+    /// `(a[r, 2i], a[r, 2i + 1])` as one i32 per pair (`k / 2` per row): a splat gives the i16x8
+    /// multiplier.
+    fn pairs_of(a: &[i16], rows: usize, k: usize) -> Vec<i32> {
         let pairs_k = k / 2;
-        // (a[r, 2i], a[r, 2i + 1]) as one i32 per pair: a splat gives the i16x8 multiplier.
         let mut pairs: Vec<i32> = Vec::with_capacity(rows * pairs_k);
         for r in 0..rows {
             let row = &a[r * k..r * k + 2 * pairs_k];
             pairs.extend(row.chunks_exact(2).map(|p| pair(p[0], p[1])));
         }
+        pairs
+    }
+
+    /// The prompt kernel's widened weights of `GROUP` blocks: block g's columns 8h..8h + 8 at
+    /// 4 g pairs_k + 2 (h pairs_k + i), two vectors per pair of rows i, so that a pass over one
+    /// half reads them in order. Vector `j` (columns 4j..4j + 4) of pair `i` of block `g`.
+    #[inline(always)]
+    fn wide_index(pairs_k: usize, g: usize, i: usize, j: usize) -> usize {
+        4 * g * pairs_k + 2 * ((j / 2) * pairs_k + i) + j % 2
+    }
+
+    /// Several rows of `a` (a prompt; one goes to `matvec`), `w` as it lies, in blocks of
+    /// sixteen columns: `GROUP` blocks' bytes are widened once, two rows of `w` interleaved
+    /// into i16 pairs (`widen_pairs`), into `wide`; then `passes`. The columns past the last 16
+    /// and an odd last row of `w` are added by the portable kernel.
+    pub fn rows<const SIGNED: bool>(
+        a: &[i16],
+        rows: usize,
+        w: &[u8],
+        k: usize,
+        stride: usize,
+        n: usize,
+        out: &mut [i32],
+    ) {
+        assert!(k == 0 || (n <= stride && (k - 1) * stride + n <= w.len()));
+        assert!(a.len() == rows * k && out.len() == rows * n);
+        if rows == 1 {
+            return matvec::<SIGNED>(a, w, k, stride, n, out);
+        }
+        let pairs_k = k / 2;
+        let pairs = pairs_of(a, rows, k);
         let blocks = n / 16;
-        // The widened weights of `GROUP` blocks: block g's columns 8h..8h + 8 at
-        // 4 g pairs_k + 2 (h pairs_k + i), two vectors per pair of rows i, so that a pass over
-        // one half reads them in order.
         let mut wide = vec![i32x4_splat(0); 4 * pairs_k * GROUP];
         for first in (0..blocks).step_by(GROUP) {
             let count = GROUP.min(blocks - first);
@@ -452,46 +598,100 @@ mod kernels {
                     // are within the asserted bytes (2i + 1 < k, 16 (first + g) + 16 <= n);
                     // v128_load is unaligned.
                     let v = unsafe {
-                        let p = w.add(2 * i * stride + (first + g) * 16);
+                        let p = w.as_ptr().add(2 * i * stride + (first + g) * 16);
                         widen_pairs::<SIGNED>(
                             v128_load(p as *const v128),
                             v128_load(p.add(stride) as *const v128),
                         )
                     };
-                    let (lo, hi) = (4 * g * pairs_k + 2 * i, 4 * g * pairs_k + 2 * (pairs_k + i));
-                    wide[lo] = v[0];
-                    wide[lo + 1] = v[1];
-                    wide[hi] = v[2];
-                    wide[hi + 1] = v[3];
-                }
-            }
-            for g in 0..count {
-                for half in 0..2 {
-                    let at = 4 * g * pairs_k + 2 * half * pairs_k;
-                    let wide = &wide[at..at + 2 * pairs_k];
-                    let col = (first + g) * 16 + 8 * half;
-                    let mut r = 0;
-                    while r < rows {
-                        let m = ROWS.min(rows - r);
-                        let pass = match m {
-                            6 => pass::<6>,
-                            5 => pass::<5>,
-                            4 => pass::<4>,
-                            3 => pass::<3>,
-                            2 => pass::<2>,
-                            _ => pass::<1>,
-                        };
-                        let pairs = &pairs[r * pairs_k..(r + m) * pairs_k];
-                        pass(wide, pairs, pairs_k, &mut out[r * n..], n, col);
-                        r += m;
+                    for (j, v) in v.into_iter().enumerate() {
+                        wide[wide_index(pairs_k, g, i, j)] = v;
                     }
                 }
             }
+            passes(&wide, &pairs, pairs_k, rows, first, count, n, out);
         }
         // The rest: the last row of w when K is odd (every column), the columns past the blocks.
         let tail_k = 2 * pairs_k..k;
-        super::portable::<SIGNED>(a, rows, bytes, k, stride, n, tail_k, 0..blocks * 16, out);
-        super::portable::<SIGNED>(a, rows, bytes, k, stride, n, 0..k, blocks * 16..n, out);
+        super::portable::<SIGNED>(a, rows, w, k, stride, n, tail_k, 0..blocks * 16, out);
+        super::portable::<SIGNED>(a, rows, w, k, stride, n, 0..k, blocks * 16..n, out);
+    }
+
+    /// Rows of `a`, `w` in blocks (the `out.len() / rows` columns of `out`): as [`rows`], each
+    /// group's quads (64 contiguous bytes: four columns' four weights, four times) shuffled
+    /// into the pairs of rows `4q, 4q + 1` and `4q + 2, 4q + 3` of four columns and widened.
+    pub fn blocks<const SIGNED: bool>(a: &[i16], rows: usize, w: &[u8], k: usize, out: &mut [i32]) {
+        let n = out.len() / rows.max(1);
+        assert!(a.len() == rows * k && w.len() == k * n && super::fits_blocks(k, n));
+        if rows == 1 {
+            return matvec_blocks::<SIGNED>(a, w, k, out);
+        }
+        let pairs_k = k / 2;
+        let pairs = pairs_of(a, rows, k);
+        let blocks = n / 16;
+        let mut wide = vec![i32x4_splat(0); 4 * pairs_k * GROUP];
+        for first in (0..blocks).step_by(GROUP) {
+            let count = GROUP.min(blocks - first);
+            for g in 0..count {
+                for q in 0..k / 4 {
+                    for j in 0..4 {
+                        // SAFETY: quad q of block first + g is within w (asserted sizes);
+                        // v128_load is unaligned.
+                        let v = unsafe {
+                            v128_load(w.as_ptr().add(16 * k * (first + g) + 64 * q + 16 * j)
+                                as *const v128)
+                        };
+                        let v = i8x16_shuffle::<0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15>(
+                            v, v,
+                        );
+                        let (even, odd) = widen::<SIGNED>(v);
+                        wide[wide_index(pairs_k, g, 2 * q, j)] = even;
+                        wide[wide_index(pairs_k, g, 2 * q + 1, j)] = odd;
+                    }
+                }
+            }
+            passes(&wide, &pairs, pairs_k, rows, first, count, n, out);
+        }
+    }
+
+    /// The products of `count` widened blocks (`wide`, from block `first`) with every row of
+    /// `a` (`pairs`): each half of a block (eight columns) with `ROWS` rows a pass, by
+    /// `i32x4.dot_i16x8_s` with the pair `(a[k], a[k + 1])`. 19-23 GMAC/s in Node for SmolLM2's
+    /// shapes and 37 rows with the weights in cache (16 from memory), against 7 when each pair
+    /// of rows of `a` widened the weights again and kept sixteen columns of sums for each.
+    #[allow(clippy::too_many_arguments)]
+    fn passes(
+        wide: &[v128],
+        pairs: &[i32],
+        pairs_k: usize,
+        rows: usize,
+        first: usize,
+        count: usize,
+        n: usize,
+        out: &mut [i32],
+    ) {
+        for g in 0..count {
+            for half in 0..2 {
+                let at = 4 * g * pairs_k + 2 * half * pairs_k;
+                let wide = &wide[at..at + 2 * pairs_k];
+                let col = (first + g) * 16 + 8 * half;
+                let mut r = 0;
+                while r < rows {
+                    let m = ROWS.min(rows - r);
+                    let pass = match m {
+                        6 => pass::<6>,
+                        5 => pass::<5>,
+                        4 => pass::<4>,
+                        3 => pass::<3>,
+                        2 => pass::<2>,
+                        _ => pass::<1>,
+                    };
+                    let pairs = &pairs[r * pairs_k..(r + m) * pairs_k];
+                    pass(wide, pairs, pairs_k, &mut out[r * n..], n, col);
+                    r += m;
+                }
+            }
+        }
     }
 
     /// `M` rows of `a` (`pairs`, `pairs_k` per row) times eight columns of widened weights
@@ -535,13 +735,21 @@ mod tests {
 
     /// The kernel's sums are the exact integer products, for signed and unsigned weights, odd
     /// K, N not a multiple of 16, one to five rows, the columns in one to three parts (threads
-    /// under the `threads` feature; the simd128 kernel runs in the wasm tests).
+    /// under the `threads` feature; the simd128 kernel runs in the wasm tests), with the weight
+    /// as it lies and, where the shape fits, in blocks.
     #[test]
     fn matmul_is_exact() {
         let mut state = super::super::testing::xorshift(0x9e37_79b9_7f4a_7c15);
         let mut next = move || (state() >> 24) as u32;
         for (k, n) in [(7, 5), (32, 48), (33, 37), (576, 192)] {
             let w: Vec<u8> = (0..k * n).map(|_| next() as u8).collect();
+            let mut in_blocks = vec![0u8; k * n];
+            let layouts = if fits_blocks(k, n) {
+                to_blocks(&w, k, n, &mut in_blocks);
+                vec![(Layout::Rows, &w), (Layout::Blocks, &in_blocks)]
+            } else {
+                vec![(Layout::Rows, &w)]
+            };
             for rows in 1..=5 {
                 let a: Vec<i16> = (0..rows * k).map(|_| (next() % 511) as i16 - 255).collect();
                 for signed in [true, false] {
@@ -557,18 +765,43 @@ mod tests {
                                 .sum()
                         })
                         .collect();
-                    let signed_w: Vec<i8> = w.iter().map(|&b| b as i8).collect();
-                    let bytes = if signed {
-                        Bytes::I8(&signed_w)
-                    } else {
-                        Bytes::U8(&w)
-                    };
-                    for parts in [1, 2, 3] {
-                        let mut got = vec![0i32; rows * n];
-                        matmul_in_parts(&a, rows, bytes, k, n, &mut got, parts);
+                    for &(layout, w) in &layouts {
+                        let signed_w: Vec<i8> = w.iter().map(|&b| b as i8).collect();
+                        let bytes = if signed {
+                            Bytes::I8(&signed_w)
+                        } else {
+                            Bytes::U8(w)
+                        };
+                        for parts in [1, 2, 3] {
+                            let mut got = vec![0i32; rows * n];
+                            matmul_in_parts(&a, rows, bytes, k, n, layout, &mut got, parts);
+                            assert_eq!(
+                                got, want,
+                                "k={k} n={n} rows={rows} signed={signed} {layout:?} parts={parts}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Byte `4 c + i` of quad `q` of block `b` is `B[4 q + i, 16 b + c]`.
+    #[test]
+    fn blocks_put_every_byte_in_its_place() {
+        let (k, n) = (8, 32);
+        let w: Vec<u8> = (0..k * n).map(|i| i as u8).collect();
+        let mut blocks = vec![0u8; k * n];
+        to_blocks(&w, k, n, &mut blocks);
+        for b in 0..n / 16 {
+            for q in 0..k / 4 {
+                for c in 0..16 {
+                    for i in 0..4 {
+                        let at = 16 * k * b + 64 * q + 4 * c + i;
                         assert_eq!(
-                            got, want,
-                            "k={k} n={n} rows={rows} signed={signed} parts={parts}"
+                            blocks[at],
+                            w[(4 * q + i) * n + 16 * b + c],
+                            "b={b} q={q} c={c} i={i}"
                         );
                     }
                 }
