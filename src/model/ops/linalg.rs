@@ -252,7 +252,10 @@ pub fn matvec_f16_nk(x: &[f32], w: &[u16], out: &mut [f32]) {
     let k = x.len();
     let rows = w.chunks_exact(k).zip(out.iter_mut());
     match scaled_input(x) {
-        Some(xs) => rows.for_each(|(w, o)| *o = kernels::dot_f16_scaled(&xs, w)),
+        Some(mut xs) => {
+            kernels::order_for_dot_f16(&mut xs);
+            rows.for_each(|(w, o)| *o = kernels::dot_f16_scaled(&xs, w))
+        }
         None => rows.for_each(|(w, o)| *o = dot_f16_with(x, w, f16_to_f32)),
     }
 }
@@ -319,6 +322,9 @@ fn axpy_rows_f16_with(
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 mod kernels {
     use super::{axpy_rows_f16_with, dot_f16_with, f16_scaled};
+
+    /// `x` in the order `dot_f16_scaled` takes it: as it is.
+    pub fn order_for_dot_f16(_x: &mut [f32]) {}
 
     pub fn dot_f16_scaled(x: &[f32], w: &[u16]) -> f32 {
         dot_f16_with(x, w, f16_scaled)
@@ -466,29 +472,54 @@ mod kernels {
         (lo, hi)
     }
 
+    /// `x` in the order `dot_f16_scaled` takes it: in each whole chunk of sixteen, the even
+    /// values of each eight, then the odd ones (the order in which the kernel widens the
+    /// weights); the tail as it is.
+    pub fn order_for_dot_f16(x: &mut [f32]) {
+        let whole = x.len() / 16 * 2;
+        for chunk in x.chunks_exact_mut(8).take(whole) {
+            let c: [f32; 8] = [0, 2, 4, 6, 1, 3, 5, 7].map(|i| chunk[i]);
+            chunk.copy_from_slice(&c);
+        }
+    }
+
+    /// `dot_f16_with` on `x` ordered by `order_for_dot_f16`: each load of eight f16 widens in
+    /// five simd operations, the even ones shifted up and both arithmetic-shifted into place
+    /// and masked (`f16_scaled`'s bits), against seven for `load8`'s widening of the low and
+    /// high halves. Lane `l` of sum `2h + p` holds the weights `8h + 2l + p` of each chunk of
+    /// sixteen, so the sums are added in the portable kernel's order.
     pub fn dot_f16_scaled(x: &[f32], w: &[u16]) -> f32 {
         let len = x.len().min(w.len());
         let chunks = len / 16;
+        let mask = u32x4_splat(0x8fff_e000);
         let mut acc = [f32x4_splat(0.0); 4];
         for c in 0..chunks {
             // SAFETY: chunk c covers x[16c..16c+16] and w[16c..16c+16], within `len`;
             // v128_load accepts unaligned addresses.
             unsafe {
-                let (w0, w1) = load8(w.as_ptr().add(c * 16));
-                let (w2, w3) = load8(w.as_ptr().add(c * 16 + 8));
                 let xp = x.as_ptr().add(c * 16);
-                for (i, wv) in [w0, w1, w2, w3].into_iter().enumerate() {
-                    let xv = v128_load(xp.add(i * 4) as *const v128);
-                    acc[i] = madd(xv, wv, acc[i]);
+                for h in 0..2 {
+                    let v = v128_load(w.as_ptr().add(c * 16 + 8 * h) as *const v128);
+                    let even = v128_and(i32x4_shr(i32x4_shl(v, 16), 3), mask);
+                    let odd = v128_and(i32x4_shr(v, 3), mask);
+                    let xe = v128_load(xp.add(8 * h) as *const v128);
+                    let xo = v128_load(xp.add(8 * h + 4) as *const v128);
+                    acc[2 * h] = madd(xe, even, acc[2 * h]);
+                    acc[2 * h + 1] = madd(xo, odd, acc[2 * h + 1]);
                 }
             }
         }
+        let lanes = acc.map(|a| {
+            [
+                f32x4_extract_lane::<0>(a),
+                f32x4_extract_lane::<1>(a),
+                f32x4_extract_lane::<2>(a),
+                f32x4_extract_lane::<3>(a),
+            ]
+        });
         let mut sum = 0f32;
-        for a in acc {
-            sum += f32x4_extract_lane::<0>(a);
-            sum += f32x4_extract_lane::<1>(a);
-            sum += f32x4_extract_lane::<2>(a);
-            sum += f32x4_extract_lane::<3>(a);
+        for i in 0..16 {
+            sum += lanes[2 * (i / 8) + i % 2][(i % 8) / 2];
         }
         for i in chunks * 16..len {
             sum += x[i] * f16_scaled(w[i]);
