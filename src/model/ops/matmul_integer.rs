@@ -633,25 +633,36 @@ mod kernels {
         for first in (0..blocks).step_by(GROUP) {
             let count = GROUP.min(blocks - first);
             for g in 0..count {
-                for q in 0..k / 4 {
-                    for j in 0..4 {
-                        // SAFETY: quad q of block first + g is within w (asserted sizes);
-                        // v128_load is unaligned.
-                        let v = unsafe {
-                            v128_load(w.as_ptr().add(16 * k * (first + g) + 64 * q + 16 * j)
-                                as *const v128)
-                        };
-                        let v = i8x16_shuffle::<0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15>(
-                            v, v,
-                        );
-                        let (even, odd) = widen::<SIGNED>(v);
-                        wide[wide_index(pairs_k, g, 2 * q, j)] = even;
-                        wide[wide_index(pairs_k, g, 2 * q + 1, j)] = odd;
-                    }
+                // Block g's two halves in `wide` (`wide_index`): quad q's pairs of rows 2q and
+                // 2q + 1 are vectors 4q..4q + 4 of each, columns 0..8 in the first.
+                let block = &w[16 * k * (first + g)..16 * k * (first + g + 1)];
+                let (low, high) =
+                    wide[4 * g * pairs_k..4 * (g + 1) * pairs_k].split_at_mut(2 * pairs_k);
+                let halves = low.chunks_exact_mut(4).zip(high.chunks_exact_mut(4));
+                for (quad, (low, high)) in block.chunks_exact(64).zip(halves) {
+                    let [e0, o0, e1, o1, e2, o2, e3, o3] = quad_pairs::<SIGNED>(quad);
+                    low.copy_from_slice(&[e0, e1, o0, o1]);
+                    high.copy_from_slice(&[e2, e3, o2, o3]);
                 }
             }
             passes(&wide, &pairs, pairs_k, rows, first, count, n, out);
         }
+    }
+
+    /// A quad of a block (64 bytes: four columns' four weights, four times) as the i16 pairs
+    /// of its rows `4q, 4q + 1` (`even`) and `4q + 2, 4q + 3` (`odd`) for columns 4j..4j + 4:
+    /// `[even 0, odd 0, even 1, odd 1, ..]`.
+    #[inline(always)]
+    fn quad_pairs<const SIGNED: bool>(quad: &[u8]) -> [v128; 8] {
+        assert!(quad.len() == 64);
+        let mut out = [i32x4_splat(0); 8];
+        for j in 0..4 {
+            // SAFETY: bytes 16j..16j + 16 of the 64 (asserted); v128_load is unaligned.
+            let v = unsafe { v128_load(quad.as_ptr().add(16 * j) as *const v128) };
+            let v = i8x16_shuffle::<0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15>(v, v);
+            (out[2 * j], out[2 * j + 1]) = widen::<SIGNED>(v);
+        }
+        out
     }
 
     /// The products of `count` widened blocks (`wide`, from block `first`) with every row of
