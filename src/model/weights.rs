@@ -874,6 +874,13 @@ mod tests {
             }),
             ..Default::default()
         };
+        let int64 = |name: &str, v: i64| pb::TensorProto {
+            name: name.into(),
+            data_type: pb::tensor_proto::DataType::Int64 as i32,
+            dims: vec![1],
+            int64_data: vec![v],
+            ..Default::default()
+        };
         let zero: Vec<u8> = (0..n).map(|j| (j as i8 - 16) as u8).collect();
         let mut cast = node("Cast", &["v"], &["vf"]);
         cast.attribute.push(pb::AttributeProto {
@@ -904,27 +911,9 @@ mod tests {
                     init("wz", vec![n as i64], zero),
                     init("v", vec![k as i64, n as i64], bytes(k)),
                     init("u", vec![6, n as i64], bytes(6)),
-                    pb::TensorProto {
-                        name: "from".into(),
-                        data_type: pb::tensor_proto::DataType::Int64 as i32,
-                        dims: vec![1],
-                        int64_data: vec![0],
-                        ..Default::default()
-                    },
-                    pb::TensorProto {
-                        name: "to".into(),
-                        data_type: pb::tensor_proto::DataType::Int64 as i32,
-                        dims: vec![1],
-                        int64_data: vec![6],
-                        ..Default::default()
-                    },
-                    pb::TensorProto {
-                        name: "axis".into(),
-                        data_type: pb::tensor_proto::DataType::Int64 as i32,
-                        dims: vec![1],
-                        int64_data: vec![1],
-                        ..Default::default()
-                    },
+                    int64("from", 0),
+                    int64("to", 6),
+                    int64("axis", 1),
                 ],
                 input: vec![value("a", FLOAT)],
                 output: vec![
