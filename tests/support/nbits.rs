@@ -18,7 +18,9 @@ fn stream(seed: u64) -> impl FnMut() -> u32 {
 }
 
 /// Each output is within the rounding bound of the 16-bit row (half of 1/32767 of its group's
-/// largest magnitude, times the weight, summed) plus f32 rounding; a NaN in the row gives NaN.
+/// largest magnitude, times the weight, summed) plus f32 rounding, and is bit for bit the
+/// result of the kernel's documented arithmetic (`q4_reference`), the same for the portable
+/// and the simd128 kernel; a NaN in the row gives NaN.
 pub fn check_q4_decode() {
     let mut next = stream(0x243f_6a88_85a3_08d3);
     // Block size, K (a partial last block for 200 and 130), N, packed zero points.
@@ -76,6 +78,14 @@ pub fn check_q4_decode() {
                 .iter()
                 .fold(0f32, |m, v| m.max(v.abs())) as f64
         };
+        let exact = q4_reference(&a, &b, &scales, bs, n, |col, blk| zero(col, blk) as i32);
+        for (col, (got, exact)) in got.iter().zip(&exact).enumerate() {
+            assert_eq!(
+                got.to_bits(),
+                exact.to_bits(),
+                "bs={bs} k={k} col={col}: {got} against the kernel's arithmetic {exact}"
+            );
+        }
         for (col, got) in got.iter().enumerate() {
             let (mut want, mut bound, mut magnitude) = (0f64, 0f64, 0f64);
             for (i, x) in a.iter().enumerate() {
@@ -97,6 +107,56 @@ pub fn check_q4_decode() {
         matmul(&op, &with_nan, 1, &b, &scales, &zp, &mut got).unwrap();
         assert!(got.iter().all(|v| v.is_nan()), "bs={bs} k={k}: {got:?}");
     }
+}
+
+/// The 4-bit decode kernel's arithmetic, written out (`matmul_nbits`' `QuantizedRow` and
+/// `q4_column_i16`): the row, padded to whole blocks, rounded to 16-bit integers per group of
+/// 32 (scale `max |x| / 32767`, ties to even); per group, four integer sums of `(q - zero) * x`
+/// (lane `l`: values `8l..8l + 8`), each converted to f32 and multiplied by the group's scale
+/// times the block's, then added to its lane; the lanes added in order at the end.
+fn q4_reference(
+    a: &[f32],
+    b: &[u8],
+    scales: &[f32],
+    bs: usize,
+    n: usize,
+    zero: impl Fn(usize, usize) -> i32,
+) -> Vec<f32> {
+    let blocks = a.len().div_ceil(bs);
+    let mut x = a.to_vec();
+    x.resize(blocks * bs, 0.0);
+    let (xq, xs): (Vec<Vec<i32>>, Vec<f32>) = x
+        .chunks(32)
+        .map(|g| {
+            let max = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let inv = if max > 0.0 { 32767.0 / max } else { 0.0 };
+            let q = g
+                .iter()
+                .map(|v| (v * inv).round_ties_even().clamp(-32767.0, 32767.0) as i32)
+                .collect();
+            (q, max / 32767.0)
+        })
+        .unzip();
+    (0..n)
+        .map(|col| {
+            let mut lanes = [0f32; 4];
+            for (g, (xq, xs)) in xq.iter().zip(&xs).enumerate() {
+                let blk = g * 32 / bs;
+                for (l, lane) in lanes.iter_mut().enumerate() {
+                    let sum: i32 = (8 * l..8 * l + 8)
+                        .map(|e| {
+                            let i = g * 32 + e;
+                            let byte = b[(col * blocks + blk) * bs / 2 + (i % bs) / 2];
+                            let q = if i % 2 == 0 { byte & 15 } else { byte >> 4 };
+                            (q as i32 - zero(col, blk)) * xq[e]
+                        })
+                        .sum();
+                    *lane += sum as f32 * (xs * scales[col * blocks + blk]);
+                }
+            }
+            ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3]
+        })
+        .collect()
 }
 
 /// `MatMulNBits` on a prompt (several rows of `A`: each column dequantized to f32, then
