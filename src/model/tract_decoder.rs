@@ -547,7 +547,9 @@ fn compile(
 }
 
 /// tract's declutter and codegen passes, without `FoldUniformMask`, then the generic float
-/// arithmetic tract leaves per element replaced by vectorized ops (`ops::binary`).
+/// arithmetic tract leaves per element replaced by vectorized ops (`ops::binary`), and the
+/// attention products of grouped-query attention rewired to read each group's keys and values
+/// where they lie (`matmul_runtime::grouped_kv`).
 ///
 /// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
 /// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal
@@ -563,6 +565,7 @@ pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
     declutter_passes().optimize(&mut typed)?;
     typed.optimize()?;
     crate::model::ops::binary::replace_generic(&mut typed)?;
+    crate::model::ops::matmul_runtime::grouped_kv(&mut typed)?;
     Ok(typed)
 }
 

@@ -15,6 +15,7 @@
 //! 3.1 s. Other forms (an operand of rank 1, not f32) are wired as tract-onnx's `MatMul`.
 
 use tract_onnx::prelude::*;
+use tract_onnx::tract_core::ops::array::MultiBroadcastTo;
 use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
@@ -75,14 +76,29 @@ impl Expansion for Runtime {
             return self.0.wire(prefix, model, inputs);
         }
         let trans_b = self.0.b_trans;
-        model.wire_node(prefix, RuntimeOp { trans_b }, inputs)
+        model.wire_node(prefix, RuntimeOp { trans_b, group: 1 }, inputs)
     }
 }
 
-/// `A @ B`, or `A @ B^T` when `trans_b` (`B` given as `[.., n, k]`).
-#[derive(Debug, Clone, Default, Hash, PartialEq, Eq)]
+/// `A @ B`, or `A @ B^T` when `trans_b` (`B` given as `[.., n, k]`). With `group` above one,
+/// `B`'s third axis from the end (its heads) has `group` times fewer entries than `A`'s, and
+/// head `h` of `A` multiplies head `h / group` of `B` (grouped-query attention, `grouped_kv`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq)]
 pub struct RuntimeOp {
     pub trans_b: bool,
+    pub group: usize,
+}
+
+impl RuntimeOp {
+    /// `B`'s shape as the product sees it: its heads repeated `group` times.
+    fn b_shape<D: DimLike>(&self, b: TVec<D>) -> TVec<D> {
+        let mut b = b;
+        if self.group > 1 {
+            let head = b.len() - 3;
+            b[head] = b[head].clone() * self.group;
+        }
+        b
+    }
 }
 
 impl Op for RuntimeOp {
@@ -96,7 +112,7 @@ impl TypedOp for RuntimeOp {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
         let (_, _, _, c) = compute_shapes(
             inputs[0].shape.to_tvec(),
-            inputs[1].shape.to_tvec(),
+            self.b_shape(inputs[1].shape.to_tvec()),
             false,
             self.trans_b,
             false,
@@ -113,7 +129,7 @@ impl EvalOp for RuntimeOp {
         let (a, b) = (&inputs[0], &inputs[1]);
         let (ashape, bshape, _, cshape) = compute_shapes(
             a.shape().into(),
-            b.shape().into(),
+            self.b_shape(b.shape().into()),
             false,
             self.trans_b,
             false,
@@ -136,7 +152,14 @@ impl EvalOp for RuntimeOp {
             }
             s
         };
-        let (sa, sb) = (strides(&ashape, m * k), strides(&bshape, k * n));
+        // Grouped heads: `bshape` counts B's heads `group` times; B's strides come from the
+        // shape it has, and `i / group` below picks the head of B.
+        let head = (self.group > 1).then(|| rank - 3);
+        let mut b_lies = bshape.clone();
+        if let Some(h) = head {
+            b_lies[h] /= self.group;
+        }
+        let (sa, sb) = (strides(&ashape, m * k), strides(&b_lies, k * n));
         let batches: usize = cshape[..rank - 2].iter().product();
         let mut transposed = Vec::new();
         for (batch, c) in out
@@ -149,7 +172,7 @@ impl EvalOp for RuntimeOp {
                 let i = rest % cshape[ax];
                 rest /= cshape[ax];
                 ia += i * sa[ax];
-                ib += i * sb[ax];
+                ib += if head == Some(ax) { i / self.group } else { i } * sb[ax];
             }
             let wb = &w[ib..ib + k * n];
             let xb = &x[ia..ia + m * k];
@@ -186,6 +209,90 @@ impl EvalOp for RuntimeOp {
         }
         Ok(tvec!(Tensor::from_shape(&cshape, &out)?.into_tvalue()))
     }
+}
+
+/// Grouped-query attention without repeated keys and values: a `MatMulRuntime` whose `B` is
+/// `Reshape(MultiBroadcastTo(AddAxis(x)))`, `x` `[.., kv_heads, L, d]` repeated `rep` times
+/// along a new axis and merged into `kv_heads * rep` heads (transformers' `repeat_kv`, as
+/// optimum exports it), reads `x` itself with `group = rep`: head `h` of `A` multiplies head
+/// `h / rep` of `x` where it lies. The same products, and no copies of the whole cache per
+/// layer at every step (in SmolLM2 60 `MultiBroadcastTo`s, each three copies of a layer's keys
+/// or values, and the copying `AddAxis` and `Reshape` around them). Returns how many products
+/// were rewired; the repeats no longer read are dropped from the graph.
+pub fn grouped_kv(model: &mut TypedModel) -> TractResult<usize> {
+    let mut rewired = 0;
+    for id in 0..model.nodes().len() {
+        let Some(op) = model.node(id).op_as::<RuntimeOp>().cloned() else {
+            continue;
+        };
+        let (a, b) = (model.node(id).inputs[0], model.node(id).inputs[1]);
+        if op.group != 1 {
+            continue;
+        }
+        let Some((x, rep)) = repeated_heads(model, a, b)? else {
+            continue;
+        };
+        let name = model.node(id).name.clone();
+        let mut patch = TypedModelPatch::new(format!("grouped heads of {name}"));
+        let inputs = [patch.tap_model(model, a)?, patch.tap_model(model, x)?];
+        let grouped = RuntimeOp { group: rep, ..op };
+        let y = patch.wire_node(format!("{name}.grouped"), grouped, &inputs)?[0];
+        patch.shunt_outside(model, OutletId::new(id, 0), y)?;
+        patch.apply(model)?;
+        rewired += 1;
+    }
+    if rewired > 0 {
+        model.compact()?;
+    }
+    Ok(rewired)
+}
+
+/// When `b` is `x` `[.., kv_heads, L, d]` with a new axis before `L`, broadcast along it to
+/// `rep` and reshaped to `[.., kv_heads * rep, L, d]`, and `a` has as many heads as `b` on the
+/// same axis: `x` and `rep`.
+fn repeated_heads(
+    model: &TypedModel,
+    a: OutletId,
+    b: OutletId,
+) -> TractResult<Option<(OutletId, usize)>> {
+    let producer = |o: OutletId| model.node(o.node);
+    let reshape = producer(b);
+    if !matches!(reshape.op_as::<AxisOp>(), Some(AxisOp::Reshape(..))) {
+        return Ok(None);
+    }
+    let broadcast = producer(reshape.inputs[0]);
+    if broadcast.op_as::<MultiBroadcastTo>().is_none() {
+        return Ok(None);
+    }
+    let added = broadcast.inputs[0];
+    let x = match producer(added).op_as::<AxisOp>() {
+        Some(AxisOp::Add(_)) => producer(added).inputs[0],
+        _ => return Ok(None),
+    };
+    let shape =
+        |o: OutletId| -> TractResult<TVec<TDim>> { Ok(model.outlet_fact(o)?.shape.to_tvec()) };
+    let (xs, bs, repeated) = (shape(x)?, shape(b)?, shape(reshape.inputs[0])?);
+    let r = xs.len();
+    if r < 3 || bs.len() != r || model.outlet_fact(a)?.rank() != r {
+        return Ok(None);
+    }
+    let head = r - 3;
+    // x [.., kvh, L, d] -> [.., kvh, 1, L, d] -> [.., kvh, rep, L, d] -> [.., kvh * rep, L, d]
+    let (Ok(kv_heads), Ok(rep)) = (xs[head].to_usize(), repeated[head + 1].to_usize()) else {
+        return Ok(None);
+    };
+    let mut want_added = xs.clone();
+    want_added.insert(head + 1, 1.into());
+    let mut want_repeated = want_added.clone();
+    want_repeated[head + 1] = rep.into();
+    let mut want_b = xs.clone();
+    want_b[head] = (kv_heads * rep).into();
+    let fits = rep > 1
+        && shape(added)? == want_added
+        && repeated == want_repeated
+        && bs == want_b
+        && model.outlet_fact(a)?.shape[head] == want_b[head];
+    Ok(fits.then_some((x, rep)))
 }
 
 #[cfg(test)]
@@ -227,7 +334,7 @@ mod tests {
                 m.add_const("b", b.clone()).unwrap(),
             );
             let o = m
-                .wire_node("ours", RuntimeOp { trans_b }, &[sa, sb])
+                .wire_node("ours", RuntimeOp { trans_b, group: 1 }, &[sa, sb])
                 .unwrap();
             m.select_output_outlets(&o).unwrap();
             let ours = m
@@ -256,6 +363,71 @@ mod tests {
             assert_eq!(ours.shape(), theirs.shape(), "{case}");
             ours.close_enough(&theirs, Approximation::Approximate)
                 .unwrap_or_else(|e| panic!("{case}: {e}"));
+        }
+    }
+
+    /// `grouped_kv` on a graph that repeats `x`'s heads as optimum exports `repeat_kv`
+    /// (`AddAxis`, `MultiBroadcastTo`, `Reshape`) before a `MatMulRuntime`: the product is
+    /// rewired to read `x` with `group = rep`, no `MultiBroadcastTo` is left, and the outputs
+    /// are bit for bit those of the graph as it was: keys (`trans_b`: `A` `[b, heads, S, d]`)
+    /// and values (`A` `[b, heads, S, L]`), one row and several, one key head and more, a batch
+    /// of two.
+    #[test]
+    fn grouped_heads_read_the_keys_where_they_lie() {
+        let mut next = super::super::testing::uniform(0x2545_f491_4f6c_dd1d);
+        for (batch, kv_heads, rep, rows, len, trans_b) in [
+            (1, 3, 3, 1, 7, true),
+            (1, 3, 3, 1, 7, false),
+            (1, 2, 2, 6, 9, true),
+            (1, 2, 2, 6, 9, false),
+            (2, 1, 4, 5, 6, false),
+            (2, 2, 3, 1, 5, true),
+        ] {
+            let (d, heads) = (8, kv_heads * rep);
+            let a_last = if trans_b { d } else { len };
+            let mut tensor = |shape: &[usize]| {
+                let v: Vec<f32> = (0..shape.iter().product()).map(|_| next()).collect();
+                Tensor::from_shape(shape, &v).unwrap()
+            };
+            let a = tensor(&[batch, heads, rows, a_last]);
+            let x = tensor(&[batch, kv_heads, len, d]);
+            let mut model = TypedModel::default();
+            let a = model.add_const("a", a).unwrap();
+            let x = model.add_const("x", x).unwrap();
+            let added = model.wire_node("add", AxisOp::Add(2), &[x]).unwrap();
+            let shape = ShapeFact::from_dims([batch, kv_heads, rep, len, d]);
+            let repeated = model
+                .wire_node("repeat", MultiBroadcastTo { shape }, &added)
+                .unwrap();
+            let merge = AxisOp::Reshape(1, tvec![kv_heads.into(), rep.into()], tvec![heads.into()]);
+            let b = model.wire_node("merge", merge, &repeated).unwrap();
+            let op = RuntimeOp { trans_b, group: 1 };
+            let y = model.wire_node("mm", op, &[a, b[0]]).unwrap();
+            model.select_output_outlets(&y).unwrap();
+            let run = |m: TypedModel| {
+                m.into_runnable()
+                    .unwrap()
+                    .run(tvec!())
+                    .unwrap()
+                    .remove(0)
+                    .into_tensor()
+            };
+            let before = run(model.clone());
+            assert_eq!(grouped_kv(&mut model).unwrap(), 1);
+            assert!(model
+                .nodes()
+                .iter()
+                .all(|n| n.op_as::<MultiBroadcastTo>().is_none()));
+            let after = run(model);
+            let case = format!(
+                "batch {batch} kv_heads {kv_heads} rep {rep} rows {rows} trans_b {trans_b}"
+            );
+            assert_eq!(before.shape(), after.shape(), "{case}");
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let values = t.try_as_plain_ram().unwrap().as_slice::<f32>().unwrap();
+                values.iter().map(|v| v.to_bits()).collect()
+            };
+            assert_eq!(bits(&before), bits(&after), "{case}");
         }
     }
 }
