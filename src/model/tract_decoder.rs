@@ -549,7 +549,8 @@ fn compile(
 /// tract's declutter and codegen passes, without `FoldUniformMask`, then the generic float
 /// arithmetic tract leaves per element replaced by vectorized ops (`ops::binary`), and the
 /// attention products of grouped-query attention rewired to read each group's keys and values
-/// where they lie (`matmul_runtime::grouped_kv`).
+/// where they lie (`matmul_runtime::grouped_kv`), and the scales of dynamically quantized
+/// products applied by the products (`matmul_integer::fuse_scales`).
 ///
 /// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
 /// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal
@@ -566,6 +567,7 @@ pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
     typed.optimize()?;
     crate::model::ops::binary::replace_generic(&mut typed)?;
     crate::model::ops::matmul_runtime::grouped_kv(&mut typed)?;
+    crate::model::ops::matmul_integer::fuse_scales(&mut typed)?;
     Ok(typed)
 }
 

@@ -15,13 +15,19 @@
 //! 0.6x transformers.js with it: its int32 kernel computes a 4x4 tile for the single row of a
 //! decode step, and the weights are repacked at load).
 //!
+//! After tract's optimisation, a product whose sums only go through the export's `Cast` and
+//! `Mul` by the scales takes the scales as inputs and returns the scaled f32 ([`fuse_scales`]).
+//!
 //! Other forms (a `B` computed in the graph, not 2-D or not 8-bit, a zero point that is not an
 //! initializer) go to tract-onnx's `MatMulInteger`.
 
 use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::{tensor_proto::DataType, NodeProto};
+use tract_onnx::tract_core::ops::cast::Cast;
+use tract_onnx::tract_core::ops::change_axes::IntoShape;
 use tract_onnx::tract_hir::internal::*;
 
+use super::binary::{Arith, BroadcastArith};
 use super::{initializer, input_slot, matmul_output_fact, node_label};
 
 /// tract-onnx's builder, for the forms this op leaves to it.
@@ -71,6 +77,10 @@ pub struct IntegerWeights {
     /// Slots among the wired inputs.
     pub a_zero: Option<usize>,
     pub b_zero: Option<usize>,
+    /// How many scale inputs follow the others (`fuse_scales`): none, the output is the
+    /// int32 sums; one or two f32 of one value each, the output is f32, the sums times their
+    /// product.
+    pub scales: usize,
     pub label: String,
 }
 
@@ -134,6 +144,7 @@ fn parse(ctx: &ParsingContext, node: &NodeProto) -> Option<IntegerWeights> {
         layout: Layout::Rows,
         a_zero: input_slot(node, 2),
         b_zero,
+        scales: 0,
         label: node_label(node),
     })
 }
@@ -198,7 +209,12 @@ impl Op for IntegerWeightsOp {
 impl TypedOp for IntegerWeightsOp {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
         let shape = matmul_output_fact(inputs[0], self.0.n).shape;
-        Ok(tvec!(TypedFact::dt_shape(i32::datum_type(), shape)))
+        let dt = if self.0.scales > 0 {
+            f32::datum_type()
+        } else {
+            i32::datum_type()
+        };
+        Ok(tvec!(TypedFact::dt_shape(dt, shape)))
     }
     as_op!();
 }
@@ -281,8 +297,117 @@ impl EvalOp for IntegerWeightsOp {
         if let Some(last) = shape.last_mut() {
             *last = n;
         }
-        Ok(tvec!(Tensor::from_shape(&shape, &out)?.into_tvalue()))
+        if op.scales == 0 {
+            return Ok(tvec!(Tensor::from_shape(&shape, &out)?.into_tvalue()));
+        }
+        // The graph's `Cast` and `Mul`s: each sum as f32 (rounded as `Cast` rounds), times the
+        // product of the scales.
+        let mut scale = None;
+        for t in &inputs[inputs.len() - op.scales..] {
+            let v = match t.try_as_plain_ram()?.as_slice::<f32>()? {
+                [v] => *v,
+                v => bail!("{label}: a scale has {} values; expected one", v.len()),
+            };
+            scale = Some(scale.map_or(v, |s: f32| s * v));
+        }
+        let scale = scale.unwrap_or(1.0);
+        let scaled: Vec<f32> = out.iter().map(|&v| v as f32 * scale).collect();
+        Ok(tvec!(Tensor::from_shape(&shape, &scaled)?.into_tvalue()))
     }
+}
+
+/// Dynamically quantized exports follow each `MatMulInteger` with a `Cast` to float and a
+/// `Mul` by one value, the product of the row's scale (`DynamicQuantizeLinear`'s) and the
+/// weight's, reshaped to the output's rank: four nodes per product, which took a third of an
+/// int8 SmolLM2 decoding step (840 of its small ops). Where the sums go only to that `Cast`
+/// and it only to that `Mul`, the product takes the scales as inputs and returns the scaled
+/// f32 itself (the same operations, so the same values); the rest is dropped from the graph.
+/// Returns how many products took their scales.
+pub fn fuse_scales(model: &mut TypedModel) -> TractResult<usize> {
+    let mut fused = 0;
+    for id in 0..model.nodes().len() {
+        let Some(op) = model.node(id).op_as::<IntegerWeightsOp>().cloned() else {
+            continue;
+        };
+        if op.0.scales != 0 {
+            continue;
+        }
+        let Some(cast) = only_reader(model, id) else {
+            continue;
+        };
+        let to_f32 = model.node(cast).op_as::<Cast>().map(|c| c.to) == Some(f32::datum_type());
+        let Some(mul) = only_reader(model, cast).filter(|_| to_f32) else {
+            continue;
+        };
+        let is_mul = matches!(
+            model.node(mul).op_as::<BroadcastArith>(),
+            Some(BroadcastArith(Arith::Mul))
+        );
+        let inputs = &model.node(mul).inputs;
+        let Some(&other) = inputs.iter().find(|o| o.node != cast).filter(|_| is_mul) else {
+            continue;
+        };
+        let Some(scales) = scale_factors(model, other)? else {
+            continue;
+        };
+        let name = model.node(id).name.clone();
+        let mut patch = TypedModelPatch::new(format!("scales of {name}"));
+        let taps = model.node(id).inputs.iter().chain(&scales);
+        let taps = patch.taps(model, taps)?;
+        let mut with_scales = op.0.clone();
+        with_scales.scales = scales.len();
+        let wired = IntegerWeightsOp(with_scales);
+        let y = patch.wire_node(format!("{name}.scaled"), wired, &taps)?[0];
+        patch.shunt_outside(model, OutletId::new(mul, 0), y)?;
+        patch.apply(model)?;
+        fused += 1;
+    }
+    if fused > 0 {
+        model.compact()?;
+    }
+    Ok(fused)
+}
+
+/// The one node that reads `node`'s single output, when the output is not one of the graph's.
+fn only_reader(model: &TypedModel, node: usize) -> Option<usize> {
+    let outputs = &model.node(node).outputs;
+    let out = OutletId::new(node, 0);
+    match (outputs.len(), outputs[0].successors.as_slice()) {
+        (1, [one]) if !model.output_outlets().ok()?.contains(&out) => Some(one.node),
+        _ => None,
+    }
+}
+
+/// The factors of a scale of one f32 value: through reshapes, the two operands of a `Mul` of
+/// one value each, else the scale itself. `None` when it is not one f32 value.
+fn scale_factors(model: &TypedModel, scale: OutletId) -> TractResult<Option<TVec<OutletId>>> {
+    let one_f32 = |o: OutletId| -> TractResult<bool> {
+        let fact = model.outlet_fact(o)?;
+        Ok(fact.datum_type == f32::datum_type() && fact.shape.iter().all(|d| d.is_one()))
+    };
+    if !one_f32(scale)? {
+        return Ok(None);
+    }
+    let mut at = scale;
+    loop {
+        let node = model.node(at.node);
+        let reshape = node.op_as::<AxisOp>().is_some() || node.op_as::<IntoShape>().is_some();
+        if reshape && node.inputs.len() == 1 && one_f32(node.inputs[0])? {
+            at = node.inputs[0];
+        } else {
+            break;
+        }
+    }
+    let node = model.node(at.node);
+    let factors = match node.op_as::<BroadcastArith>() {
+        Some(BroadcastArith(Arith::Mul))
+            if node.inputs.len() == 2 && one_f32(node.inputs[0])? && one_f32(node.inputs[1])? =>
+        {
+            node.inputs.iter().copied().collect()
+        }
+        _ => tvec![at],
+    };
+    Ok(Some(factors))
 }
 
 /// The weight's bytes, signed or not.
@@ -817,6 +942,105 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// `fuse_scales` on `MatMulInteger` -> `Cast` -> `Mul` by the product of two scalar scales
+    /// raised to the output's rank (as int8 exports run in tract; `A` and the scales are
+    /// inputs): one product is left, with both scales, and it returns the same f32 bits as the
+    /// graph did; with a second reader of the `Cast`, nothing changes.
+    #[test]
+    fn scales_fused_into_the_product_give_the_same_bits() {
+        let mut state = super::super::testing::xorshift(0x5851_f42d_4c95_7f2d);
+        let mut next = move || (state() >> 24) as u32;
+        let (k, n) = (40, 24);
+        let a: Vec<u8> = (0..3 * k).map(|_| next() as u8).collect();
+        let b: Vec<u8> = (0..k * n).map(|_| next() as u8).collect();
+        let a = Tensor::from_shape(&[1, 3, k], &a).unwrap();
+        let b = Tensor::from_shape(&[k, n], &b).unwrap();
+        for second_reader in [false, true] {
+            let mut model = TypedModel::default();
+            let inputs = [
+                model.add_source("a", u8::fact([1, 3, k])).unwrap(),
+                model.add_const("b", b.clone()).unwrap(),
+                model.add_const("a_zero", tensor0(131u8)).unwrap(),
+                model.add_const("b_zero", tensor0(127u8)).unwrap(),
+            ];
+            let p = model.add_source("p", f32::scalar_fact()).unwrap();
+            let q = model.add_source("q", f32::scalar_fact()).unwrap();
+            let op = IntegerWeightsOp(IntegerWeights {
+                k,
+                n,
+                layout: Layout::Rows,
+                a_zero: Some(2),
+                b_zero: Some(3),
+                scales: 0,
+                label: "test".into(),
+            });
+            let sums = model.wire_node("mm", op, &inputs).unwrap();
+            let cast = model
+                .wire_node(
+                    "cast",
+                    Cast {
+                        to: f32::datum_type(),
+                    },
+                    &sums,
+                )
+                .unwrap();
+            let mul = BroadcastArith(Arith::Mul);
+            let mut scale = model.wire_node("scale", mul.clone(), &[p, q]).unwrap();
+            for axis in 0..3 {
+                scale = model
+                    .wire_node(format!("rank{axis}"), AxisOp::Add(0), &scale)
+                    .unwrap();
+            }
+            let y = model.wire_node("y", mul, &[cast[0], scale[0]]).unwrap();
+            let mut outputs = y.to_vec();
+            if second_reader {
+                outputs.push(model.wire_node("more", AxisOp::Add(0), &cast).unwrap()[0]);
+            }
+            model.select_output_outlets(&outputs).unwrap();
+            let run = |m: TypedModel| {
+                let inputs = tvec!(
+                    a.clone().into(),
+                    tensor0(0.0123f32).into(),
+                    tensor0(0.731f32).into()
+                );
+                m.into_runnable()
+                    .unwrap()
+                    .run(inputs)
+                    .unwrap()
+                    .remove(0)
+                    .into_tensor()
+            };
+            let before = run(model.clone());
+            let fused = fuse_scales(&mut model).unwrap();
+            let casts = model
+                .nodes()
+                .iter()
+                .filter(|n| n.op_as::<Cast>().is_some())
+                .count();
+            let scales: Vec<usize> = model
+                .nodes()
+                .iter()
+                .filter_map(|n| n.op_as::<IntegerWeightsOp>().map(|op| op.0.scales))
+                .collect();
+            if second_reader {
+                assert_eq!((fused, casts, scales), (0, 1, vec![0]));
+            } else {
+                assert_eq!((fused, casts, scales), (1, 0, vec![2]));
+            }
+            let after = run(model);
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let v = t.try_as_plain_ram().unwrap().as_slice::<f32>().unwrap();
+                v.iter().map(|v| v.to_bits()).collect()
+            };
+            assert_eq!(before.shape(), after.shape());
+            assert_eq!(
+                bits(&before),
+                bits(&after),
+                "second reader: {second_reader}"
+            );
         }
     }
 }
