@@ -302,15 +302,14 @@ impl EvalOp for IntegerWeightsOp {
         }
         // The graph's `Cast` and `Mul`s: each sum as f32 (rounded as `Cast` rounds), times the
         // product of the scales.
-        let mut scale = None;
+        // (One times the first scale is exactly the first scale.)
+        let mut scale = 1f32;
         for t in &inputs[inputs.len() - op.scales..] {
-            let v = match t.try_as_plain_ram()?.as_slice::<f32>()? {
-                [v] => *v,
+            match t.try_as_plain_ram()?.as_slice::<f32>()? {
+                [v] => scale *= v,
                 v => bail!("{label}: a scale has {} values; expected one", v.len()),
-            };
-            scale = Some(scale.map_or(v, |s: f32| s * v));
+            }
         }
-        let scale = scale.unwrap_or(1.0);
         let scaled: Vec<f32> = out.iter().map(|&v| v as f32 * scale).collect();
         Ok(tvec!(Tensor::from_shape(&shape, &scaled)?.into_tvalue()))
     }

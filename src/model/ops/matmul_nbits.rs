@@ -362,27 +362,26 @@ fn matmul_in_parts(
         );
     }
     let padded = blocks * bs;
-    // Each row of A padded with zeros to whole blocks (the last block may be partial), and for
-    // 4 bits reordered within each group to the nibble order.
-    let mut ap = vec![0f32; rows * padded];
-    for r in 0..rows {
-        let src = &a[r * k..(r + 1) * k];
-        let dst = &mut ap[r * padded..(r + 1) * padded];
-        if bits == 4 {
-            permute(src, dst, bs.min(GROUP));
-        } else {
-            dst[..k].copy_from_slice(src);
+    // Decoding a 4-bit weight with integer zero points: the row (padded) as 16-bit integers, so
+    // that the kernel multiplies integers (`kernels::q4_column_i16`).
+    let quantized = (rows == 1 && bits == 4 && bs >= GROUP && !matches!(zp, Zero::Float(_)))
+        .then(|| QuantizedRow::of(a, padded))
+        .flatten();
+    // Otherwise each row of A padded with zeros to whole blocks (the last block may be
+    // partial), and for 4 bits reordered within each group to the nibble order.
+    let mut ap = vec![];
+    if quantized.is_none() {
+        ap.resize(rows * padded, 0f32);
+        for r in 0..rows {
+            let src = &a[r * k..(r + 1) * k];
+            let dst = &mut ap[r * padded..(r + 1) * padded];
+            if bits == 4 {
+                permute(src, dst, bs.min(GROUP));
+            } else {
+                dst[..k].copy_from_slice(src);
+            }
         }
     }
-    // Decoding a 4-bit weight with integer zero points: the row (padded, in its own order) as
-    // 16-bit integers, so that the kernel multiplies integers (`kernels::q4_column_i16`).
-    let quantized = (rows == 1 && bits == 4 && bs >= GROUP && !matches!(zp, Zero::Float(_)))
-        .then(|| {
-            let mut x = a[..k].to_vec();
-            x.resize(padded, 0.0);
-            QuantizedRow::of(&x)
-        })
-        .flatten();
     let params = Params {
         bits,
         bs,
@@ -513,14 +512,16 @@ const fn q4_order(e: usize) -> usize {
 }
 
 impl QuantizedRow {
-    /// `None` when a value is not finite (the f32 kernel then carries it to the output).
-    fn of(x: &[f32]) -> Option<QuantizedRow> {
-        debug_assert!(x.len().is_multiple_of(GROUP));
-        let groups = x.len() / GROUP;
-        let mut q = vec![0i16; x.len()];
+    /// The row `x` padded with zeros to `padded` values (a multiple of [`GROUP`]). `None` when
+    /// a value is not finite (the f32 kernel then carries it to the output).
+    fn of(x: &[f32], padded: usize) -> Option<QuantizedRow> {
+        debug_assert!(padded.is_multiple_of(GROUP) && x.len() <= padded);
+        let groups = padded / GROUP;
+        let mut q = vec![0i16; padded];
         let mut sums = vec![0i32; 4 * groups];
         let mut scales = Vec::with_capacity(groups);
-        for (g, xs) in x.chunks_exact(GROUP).enumerate() {
+        // The last group may be partial: its missing values are zeros.
+        for (g, xs) in x.chunks(GROUP).enumerate() {
             // A comparison, not `f32::max` (a call to fmaxf in wasm); a NaN fails `is_finite`
             // below or is caught by the check of every value.
             let max = xs
@@ -542,6 +543,7 @@ impl QuantizedRow {
             }
             scales.push(scale);
         }
+        scales.resize(groups, 0.0);
         Some(QuantizedRow { q, sums, scales })
     }
 }
