@@ -1,6 +1,7 @@
 //! Loading a model from bytes: the ONNX graph (and its external data), `config.json`,
 //! `generation_config.json` and `tokenizer.json`.
 
+pub mod cse;
 pub mod embeddings;
 pub mod files;
 pub mod onnx;
