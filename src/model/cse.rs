@@ -28,7 +28,7 @@ fn merge_in(graph: &mut pb::GraphProto, outer: &HashMap<String, String>) {
     let mut renamed = outer.clone();
     let outputs: Vec<&str> = graph.output.iter().map(|o| o.name.as_str()).collect();
     let mut first_of: HashMap<Vec<u8>, usize> = HashMap::new();
-    let mut keep = vec![true; graph.node.len()];
+    let mut merged = vec![];
     for ix in 0..graph.node.len() {
         let node = &mut graph.node[ix];
         for input in node.input.iter_mut() {
@@ -67,12 +67,18 @@ fn merge_in(graph: &mut pb::GraphProto, outer: &HashMap<String, String>) {
                         renamed.insert(dup.clone(), kept.clone());
                     }
                 }
-                keep[ix] = false;
+                merged.push(ix);
             }
         }
     }
-    let mut keep = keep.into_iter();
-    graph.node.retain(|_| keep.next().unwrap_or(true));
+    // `merged` is in increasing order.
+    let mut merged = merged.into_iter().peekable();
+    let mut ix = 0;
+    graph.node.retain(|_| {
+        let keep = merged.next_if_eq(&ix).is_none();
+        ix += 1;
+        keep
+    });
 }
 
 /// What makes two nodes compute the same values: domain, op, inputs, number of outputs and
