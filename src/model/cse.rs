@@ -8,26 +8,42 @@
 //! type inference and optimisation passes cost time per node (two thirds of a load of SmolLM2
 //! in wasm), and the graph it runs is the same either way.
 //!
-//! Kept as they are: nodes that write a graph output (its name must stay), nodes with a
+//! Kept as they are: nodes that write an output of the graph or of any subgraph (a branch may
+//! return an outer value by its name, which must stay), nodes with a
 //! subgraph attribute (`If`, `Loop`, `Scan`: their bodies are merged within themselves, and
 //! read the outer graph's merged names), and random-number ops and `Dropout` (two draws
 //! differ).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use prost::Message;
 use tract_onnx::pb;
 
 /// Merge the repeated nodes of `graph` and of its subgraphs.
 pub fn merge_common(graph: &mut pb::GraphProto) {
-    merge_in(graph, &HashMap::new());
+    let mut outputs = HashSet::new();
+    collect_outputs(graph, &mut outputs);
+    merge_in(graph, &HashMap::new(), &outputs);
+}
+
+/// The output names of `graph` and of every subgraph in it.
+fn collect_outputs(graph: &pb::GraphProto, into: &mut HashSet<String>) {
+    into.extend(graph.output.iter().map(|o| o.name.clone()));
+    for a in graph.node.iter().flat_map(|n| &n.attribute) {
+        for g in a.g.iter().chain(&a.graphs) {
+            collect_outputs(g, into);
+        }
+    }
 }
 
 /// `outer`: the outer graphs' renamed outputs (old name -> the name that replaces it), visible
-/// to a subgraph's nodes.
-fn merge_in(graph: &mut pb::GraphProto, outer: &HashMap<String, String>) {
+/// to a subgraph's nodes; `outputs`: the names that stay ([`collect_outputs`]).
+fn merge_in(
+    graph: &mut pb::GraphProto,
+    outer: &HashMap<String, String>,
+    outputs: &HashSet<String>,
+) {
     let mut renamed = outer.clone();
-    let outputs: Vec<&str> = graph.output.iter().map(|o| o.name.as_str()).collect();
     let mut first_of: HashMap<Vec<u8>, usize> = HashMap::new();
     let mut merged = vec![];
     for ix in 0..graph.node.len() {
@@ -44,7 +60,7 @@ fn merge_in(graph: &mut pb::GraphProto, outer: &HashMap<String, String>) {
         if has_subgraph {
             for a in node.attribute.iter_mut() {
                 for g in a.g.iter_mut().chain(a.graphs.iter_mut()) {
-                    merge_in(g, &renamed);
+                    merge_in(g, &renamed, outputs);
                 }
             }
             continue;
@@ -56,7 +72,7 @@ fn merge_in(graph: &mut pb::GraphProto, outer: &HashMap<String, String>) {
                 node.op_type.as_str(),
                 "Multinomial" | "Bernoulli" | "Dropout"
             )
-            || node.output.iter().any(|o| outputs.contains(&o.as_str()))
+            || node.output.iter().any(|o| outputs.contains(o))
         {
             continue;
         }
@@ -226,5 +242,30 @@ mod tests {
         );
         let branch = g.node[5].attribute[0].g.as_ref().unwrap();
         assert_eq!(ops(branch), ["Neg(c1)->n1", "Add(n1,n1)->b"]);
+    }
+
+    #[test]
+    fn an_outer_value_a_branch_returns_keeps_its_name() {
+        let mut if_node = node("If", &["cond"], &["r"], None);
+        if_node.attribute = vec![pb::AttributeProto {
+            name: "else_branch".into(),
+            g: Some(pb::GraphProto {
+                output: vec![value("c2")],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }];
+        let mut g = pb::GraphProto {
+            node: vec![
+                node("Constant", &[], &["c1"], Some(0)),
+                node("Constant", &[], &["c2"], Some(0)),
+                node("Constant", &[], &["c3"], Some(0)),
+                if_node,
+            ],
+            output: vec![value("r")],
+            ..Default::default()
+        };
+        merge_common(&mut g);
+        assert_eq!(ops(&g), ["Constant()->c1", "Constant()->c2", "If(cond)->r"]);
     }
 }
