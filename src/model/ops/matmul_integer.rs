@@ -382,10 +382,18 @@ fn move_readers(model: &mut TypedModel, from: OutletId, to: OutletId) -> TractRe
 
 /// The one node that reads `node`'s single output, when the output is not one of the graph's.
 fn only_reader(model: &TypedModel, node: usize) -> Option<usize> {
-    let outputs = &model.node(node).outputs;
-    let out = OutletId::new(node, 0);
-    match (outputs.len(), outputs[0].successors.as_slice()) {
-        (1, [one]) if !model.output_outlets().ok()?.contains(&out) => Some(one.node),
+    let [output] = model.node(node).outputs.as_slice() else {
+        return None;
+    };
+    match output.successors.as_slice() {
+        [one]
+            if !model
+                .output_outlets()
+                .ok()?
+                .contains(&OutletId::new(node, 0)) =>
+        {
+            Some(one.node)
+        }
         _ => None,
     }
 }
