@@ -6,6 +6,7 @@ pub mod embeddings;
 pub mod files;
 pub mod onnx;
 pub mod ops;
+pub mod optimizer;
 pub mod seq2seq;
 pub mod signature;
 pub mod tract_decoder;

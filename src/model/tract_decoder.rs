@@ -546,7 +546,8 @@ fn compile(
     })
 }
 
-/// tract's declutter and codegen passes, without `FoldUniformMask`, then the generic float
+/// tract's declutter and codegen passes, without `FoldUniformMask` (run by `optimizer.rs`,
+/// which applies their patches faster than tract's own session), then the generic float
 /// arithmetic tract leaves per element replaced by vectorized ops (`ops::binary`), and the
 /// attention products of grouped-query attention rewired to read each group's keys and values
 /// where they lie (`matmul_runtime::grouped_kv`), and the scales of dynamically quantized
@@ -563,20 +564,11 @@ fn compile(
 /// runtime inputs, which the pass cannot fold anyway.
 pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
     let mut typed = model.into_typed()?;
-    declutter_passes().optimize(&mut typed)?;
-    typed.optimize()?;
+    crate::model::optimizer::declutter_and_optimize(&mut typed)?;
     crate::model::ops::binary::replace_generic(&mut typed)?;
     crate::model::ops::matmul_runtime::grouped_kv(&mut typed)?;
     crate::model::ops::matmul_integer::fuse_scales(&mut typed)?;
     Ok(typed)
-}
-
-fn declutter_passes() -> tract_onnx::tract_core::optim::Optimizer {
-    let mut optimizer = tract_onnx::tract_core::optim::Optimizer::declutter();
-    optimizer
-        .passes
-        .retain(|pass| !format!("{pass:?}").starts_with("FoldUniformMask"));
-    optimizer
 }
 
 /// The names of a graph's outputs, in order.
@@ -1061,23 +1053,6 @@ mod tests {
         assert_eq!(mask.raw_data[3], 1);
         let big = g.initializer.iter().find(|t| t.name == "big").unwrap();
         assert!(big.raw_data.is_empty() && big.dims == [16384]);
-    }
-
-    /// The pass left out by `optimize` is still in tract's declutter list (else the filter
-    /// silently does nothing and a newer tract may have renamed it).
-    #[test]
-    fn fold_uniform_mask_is_left_out() {
-        let name = |o: &tract_onnx::tract_core::optim::Optimizer| {
-            o.passes
-                .iter()
-                .filter(|p| format!("{p:?}").starts_with("FoldUniformMask"))
-                .count()
-        };
-        assert_eq!(
-            name(&tract_onnx::tract_core::optim::Optimizer::declutter()),
-            1
-        );
-        assert_eq!(name(&declutter_passes()), 0);
     }
 
     fn buffers(state: &TractState) -> Vec<*const u8> {
