@@ -12,9 +12,10 @@
 # (COOP/COEP) and Web Workers, so it runs in browsers, not in Node.
 #
 # --small builds the small package in pkg-small/ instead: the same code with the release-small
-# profile of Cargo.toml (dependencies optimised for size, fat LTO), for size limits such as a
-# Cloudflare Worker's; cargo and wasm-bindgen directly (wasm-pack has no custom profiles), then
-# npm's binaryen (a devDependency) merges the functions that compiled to the same code.
+# profile of Cargo.toml (dependencies optimised for size, fat LTO) and the `small` feature (tract's
+# own optimiser session), for size limits such as a Cloudflare Worker's; cargo and wasm-bindgen
+# directly (wasm-pack has no custom profiles), then npm's binaryen (a devDependency) merges the
+# functions that compiled to the same code.
 set -eu
 cd "$(dirname "$0")/.."
 threads=0
@@ -86,7 +87,7 @@ if [ "$threads" = 1 ]; then
 elif [ "$small" = 1 ]; then
   out=pkg-small
   export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128"
-  cargo build --profile release-small --target wasm32-unknown-unknown --lib
+  cargo build --profile release-small --target wasm32-unknown-unknown --lib --features small
   rm -rf "$out"
   wasm-bindgen --target web --out-dir "$out" --out-name onnx_generate \
     "${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/release-small/onnx_generate.wasm"

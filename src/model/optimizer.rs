@@ -29,6 +29,7 @@ pub fn declutter_passes() -> Optimizer {
 
 /// `model.declutter()` with [`declutter_passes`], then `model.optimize()` (codegen), each to
 /// its fixed point.
+#[cfg_attr(feature = "small", allow(dead_code))]
 pub fn declutter_and_optimize(model: &mut TypedModel) -> TractResult<()> {
     run(&declutter_passes(), model)?;
     run(&Optimizer::codegen(), model)?;
@@ -42,6 +43,8 @@ pub fn declutter_and_optimize(model: &mut TypedModel) -> TractResult<()> {
 
 /// Runs `optimizer`'s passes over `model` until a whole round applies no patch: each pass
 /// until it applies none, the graph compacted after each (`OptimizerSession::optimize`).
+/// Not inlined: one copy for both optimizers (the small package's size).
+#[inline(never)]
 fn run(optimizer: &Optimizer, model: &mut TypedModel) -> TractResult<()> {
     let _proofs = model.symbols.proof_cache_session();
     let mut session = optimizer.session();
@@ -142,8 +145,16 @@ fn apply(patch: TypedModelPatch, target: &mut TypedModel) -> TractResult<()> {
             .copied()
             .ok_or_else(|| format_err!("patch outlet {o:?} is not wired"))
     };
+    // In order, as tract applies them; a patch has a few, sorted by insertion (the slice sorts
+    // would add 8 KB to the small package for this type).
     let mut shunts: Vec<(OutletId, OutletId)> = shunts.into_iter().collect();
-    shunts.sort();
+    for i in 1..shunts.len() {
+        let mut j = i;
+        while j > 0 && shunts[j - 1] > shunts[j] {
+            shunts.swap(j - 1, j);
+            j -= 1;
+        }
+    }
     for &(from, by) in &shunts {
         let by = outlet(&mapping, &by)?;
         let readers = target.node(from.node).outputs[from.slot].successors.clone();

@@ -547,7 +547,8 @@ fn compile(
 }
 
 /// tract's declutter and codegen passes, without `FoldUniformMask` (run by `optimizer.rs`,
-/// which applies their patches faster than tract's own session), then the generic float
+/// which applies their patches faster than tract's own session; by tract's session under the
+/// `small` feature), then the generic float
 /// arithmetic tract leaves per element replaced by vectorized ops (`ops::binary`), and the
 /// attention products of grouped-query attention rewired to read each group's keys and values
 /// where they lie (`matmul_runtime::grouped_kv`), and the scales of dynamically quantized
@@ -564,7 +565,13 @@ fn compile(
 /// runtime inputs, which the pass cannot fold anyway.
 pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
     let mut typed = model.into_typed()?;
+    #[cfg(not(feature = "small"))]
     crate::model::optimizer::declutter_and_optimize(&mut typed)?;
+    #[cfg(feature = "small")]
+    {
+        crate::model::optimizer::declutter_passes().optimize(&mut typed)?;
+        typed.optimize()?;
+    }
     crate::model::ops::binary::replace_generic(&mut typed)?;
     crate::model::ops::matmul_runtime::grouped_kv(&mut typed)?;
     crate::model::ops::matmul_integer::fuse_scales(&mut typed)?;
