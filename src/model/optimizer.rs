@@ -3,11 +3,11 @@
 //!
 //! Why not tract's own session: its `ModelPatch::apply` (tract-core 0.23) compares every node a
 //! patch adds with every node of the graph (`dyn_eq` on the ops, meant to reuse an identical
-//! node, but its `continue` only moves to the next candidate, so the node is added anyway) and
-//! then scans every node's name for each added node. With SmolLM2's 4,000 to 5,000 nodes and
-//! the thousands of patches of a load, that was about 0.33 s of a 2.5 s load in Node (CPU
-//! profile of an int8 load: `ModelPatch::apply`, `dyn_eq` and `type_id` self time). [`apply`]
-//! makes the same changes to the graph without the comparisons of ops.
+//! node, but its `continue` only moves to the next candidate, so the node is added anyway).
+//! With SmolLM2's 4,000 to 5,000 nodes and the thousands of patches of a load, that was about
+//! 0.33 s of a 2.5 s load in Node (CPU profile of an int8 load: `ModelPatch::apply`, `dyn_eq`
+//! and `type_id` self time). [`apply`] makes the same changes to the graph without the
+//! comparisons.
 
 use std::collections::HashSet;
 
@@ -43,8 +43,6 @@ pub fn declutter_and_optimize(model: &mut TypedModel) -> TractResult<()> {
 
 /// Runs `optimizer`'s passes over `model` until a whole round applies no patch: each pass
 /// until it applies none, the graph compacted after each (`OptimizerSession::optimize`).
-/// Not inlined: one copy for both optimizers (the small package's size).
-#[inline(never)]
 fn run(optimizer: &Optimizer, model: &mut TypedModel) -> TractResult<()> {
     let _proofs = model.symbols.proof_cache_session();
     let mut session = optimizer.session();
@@ -145,16 +143,9 @@ fn apply(patch: TypedModelPatch, target: &mut TypedModel) -> TractResult<()> {
             .copied()
             .ok_or_else(|| format_err!("patch outlet {o:?} is not wired"))
     };
-    // In order, as tract applies them; a patch has a few, sorted by insertion (the slice sorts
-    // would add 8 KB to the small package for this type).
+    // In the order tract applies them (the outlets are distinct).
     let mut shunts: Vec<(OutletId, OutletId)> = shunts.into_iter().collect();
-    for i in 1..shunts.len() {
-        let mut j = i;
-        while j > 0 && shunts[j - 1] > shunts[j] {
-            shunts.swap(j - 1, j);
-            j -= 1;
-        }
-    }
+    shunts.sort_unstable();
     for &(from, by) in &shunts {
         let by = outlet(&mapping, &by)?;
         let readers = target.node(from.node).outputs[from.slot].successors.clone();
@@ -296,7 +287,6 @@ mod tests {
             "whisper-tiny/decoder_model.onnx",
             "whisper-tiny/encoder_model.onnx",
         ] {
-            eprintln!("{path}");
             let mut theirs = typed(path);
             declutter_passes().optimize(&mut theirs).unwrap();
             theirs.optimize().unwrap();
