@@ -118,6 +118,8 @@ pub fn prepare(decoded: Decoded, external: Option<&[u8]>, file_name: &str) -> Re
     }
     inline_external_data(graph, external, file_name)?;
     super::cse::merge_common(graph);
+    #[cfg(not(feature = "small"))]
+    super::ops::matmul_integer::fuse_scales_in_graph(graph);
     super::weights::rewrite(&mut proto, &mut apart)?;
     Ok(Decoded { proto, apart })
 }

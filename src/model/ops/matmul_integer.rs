@@ -15,14 +15,18 @@
 //! 0.6x transformers.js with it: its int32 kernel computes a 4x4 tile for the single row of a
 //! decode step, and the weights are repacked at load).
 //!
-//! After tract's optimisation, a product whose sums only go through the export's `Cast` and
-//! `Mul` by the scales takes the scales as inputs and returns the scaled f32 ([`fuse_scales`]).
+//! A product whose sums only go through the export's `Cast` and `Mul` by the scales takes the
+//! scales as inputs and returns the scaled f32: before tract parses the graph when the scales
+//! are one-value f32s it can tell without shapes ([`fuse_scales_in_graph`]), else after tract's
+//! optimisation ([`fuse_scales`]).
 //!
 //! Other forms (a `B` computed in the graph, not 2-D or not 8-bit, a zero point that is not an
 //! initializer) go to tract-onnx's `MatMulInteger`.
 
+use std::collections::{HashMap, HashSet};
+
 use tract_onnx::model::ParsingContext;
-use tract_onnx::pb::{tensor_proto::DataType, NodeProto};
+use tract_onnx::pb::{self, tensor_proto::DataType, NodeProto};
 use tract_onnx::tract_core::ops::cast::Cast;
 use tract_onnx::tract_core::ops::change_axes::IntoShape;
 use tract_onnx::tract_hir::internal::*;
@@ -94,7 +98,19 @@ pub fn matmul_integer(
         Some(BLOCKS_ATTRIBUTE) => true,
         Some(v) => bail!("{label}: layout {v}; expected {BLOCKS_ATTRIBUTE} (blocks)"),
     };
-    match parse(ctx, node) {
+    let scales = node.get_attr_opt::<i64>(SCALES_ATTRIBUTE)?.unwrap_or(0);
+    // `fuse_scales_in_graph`'s form: the zero-point slots, then the scales.
+    if scales != 0 && (scales != 2 || node.input.len() != 6) {
+        bail!(
+            "{label}: {scales} scales after {} inputs; expected 2 after A, B and the two \
+             zero-point slots",
+            node.input.len() as i64 - scales
+        );
+    }
+    match parse(ctx, node).map(|op| IntegerWeights {
+        scales: scales as usize,
+        ..op
+    }) {
         Some(mut op) if blocks => {
             if !fits_blocks(op.k, op.n) {
                 bail!(
@@ -106,10 +122,10 @@ pub fn matmul_integer(
             op.layout = Layout::Blocks;
             Ok((expand(op), vec![]))
         }
-        // tract would read the blocks as rows.
-        None if blocks => bail!(
-            "{label}: B in blocks must be an 8-bit matrix initializer with a zero point of \
-             its type (one, or one per column), and the node one output"
+        // tract would read the blocks as rows, and has no scale inputs.
+        None if blocks || scales != 0 => bail!(
+            "{label}: B in blocks or scale inputs need B an 8-bit matrix initializer with a \
+             zero point of its type (one, or one per column), and the node one output"
         ),
         Some(op) => Ok((expand(op), vec![])),
         None => TRACT.build(ctx, node),
@@ -160,10 +176,16 @@ impl Expansion for IntegerWeights {
         inputs: &'p [TensorProxy],
         outputs: &'p [TensorProxy],
     ) -> InferenceResult {
-        let count = 2 + self.a_zero.is_some() as usize + self.b_zero.is_some() as usize;
+        let count =
+            2 + self.a_zero.is_some() as usize + self.b_zero.is_some() as usize + self.scales;
         check_input_arity(inputs, count)?;
         check_output_arity(outputs, 1)?;
-        s.equals(&outputs[0].datum_type, i32::datum_type())?;
+        let dt = if self.scales > 0 {
+            f32::datum_type()
+        } else {
+            i32::datum_type()
+        };
+        s.equals(&outputs[0].datum_type, dt)?;
         s.equals(&outputs[0].rank, &inputs[0].rank)?;
         let (k, n) = (self.k.to_dim(), self.n.to_dim());
         s.given(&inputs[0].rank, move |s, rank| {
@@ -369,6 +391,139 @@ pub fn fuse_scales(model: &mut TypedModel) -> TractResult<usize> {
         fused += 1;
     }
     Ok(fused)
+}
+
+/// The `scales` attribute of a `MatMulInteger` that [`fuse_scales_in_graph`] gave its scales:
+/// how many scale inputs follow `A`, `B` and the two zero-point slots.
+pub const SCALES_ATTRIBUTE: &str = "scales";
+
+/// [`fuse_scales`] on the ONNX graph, before tract parses it, for the form that needs no
+/// shapes: `MatMulInteger` -> `Cast` to float -> `Mul` by `Mul(x_scale, w_scale)`, where each
+/// scale is a one-value f32 initializer or the `y_scale` of a `DynamicQuantizeLinear` (a
+/// scalar by its definition). The product takes the two scales as inputs after its zero-point
+/// slots (the `scales` attribute says how many), writes the `Mul`'s output and the three
+/// nodes go: 630 of int8 SmolLM2's 4,792 nodes, which tract would otherwise analyse and
+/// optimise at every load. The same operations as the graph's (`IntegerWeightsOp`), so the same
+/// values. Returns how many products took their scales. Not in the small package (the `small`
+/// feature), where `fuse_scales` does it at every load.
+#[cfg_attr(feature = "small", allow(dead_code))]
+pub fn fuse_scales_in_graph(graph: &mut pb::GraphProto) -> usize {
+    // Readers of each value: nodes at any depth, and the outputs of the graph and subgraphs.
+    fn count(nodes: &[pb::NodeProto], reads: &mut HashMap<String, usize>) {
+        for node in nodes {
+            for input in &node.input {
+                *reads.entry(input.clone()).or_default() += 1;
+            }
+            for g in node.attribute.iter().filter_map(|a| a.g.as_ref()) {
+                for o in &g.output {
+                    *reads.entry(o.name.clone()).or_default() += 1;
+                }
+                count(&g.node, reads);
+            }
+        }
+    }
+    let mut reads: HashMap<String, usize> = HashMap::new();
+    count(&graph.node, &mut reads);
+    for o in &graph.output {
+        *reads.entry(o.name.clone()).or_default() += 1;
+    }
+    let read_once = |name: &str| reads.get(name) == Some(&1);
+    let producer: HashMap<&str, usize> = graph
+        .node
+        .iter()
+        .enumerate()
+        .flat_map(|(i, n)| n.output.iter().map(move |o| (o.as_str(), i)))
+        .collect();
+    let readers: HashMap<&str, usize> = graph
+        .node
+        .iter()
+        .enumerate()
+        .flat_map(|(i, n)| n.input.iter().map(move |o| (o.as_str(), i)))
+        .collect();
+    let one_f32: HashSet<&str> = graph
+        .initializer
+        .iter()
+        .filter(|t| t.data_type == DataType::Float as i32 && t.dims.iter().product::<i64>() == 1)
+        .map(|t| t.name.as_str())
+        .chain(
+            graph
+                .node
+                .iter()
+                .filter(|n| n.op_type == "DynamicQuantizeLinear" && n.domain.is_empty())
+                .filter_map(|n| n.output.get(1).map(|o| o.as_str())),
+        )
+        .filter(|name| !name.is_empty())
+        .collect();
+    let is = |i: usize, op: &str| graph.node[i].op_type == op && graph.node[i].domain.is_empty();
+    // Node indices: (product, cast, mul, the scales' mul unless others read it), the scales.
+    type Fusion = ([usize; 3], Option<usize>, [String; 2]);
+    let mut fusions: Vec<Fusion> = vec![];
+    for (mm, node) in graph.node.iter().enumerate() {
+        if !is(mm, "MatMulInteger") || node.input.len() < 2 || node.output.len() != 1 {
+            continue;
+        }
+        let sums = node.output[0].as_str();
+        let Some(&cast) = readers.get(sums).filter(|_| read_once(sums)) else {
+            continue;
+        };
+        let to = graph.node[cast]
+            .attribute
+            .iter()
+            .find(|a| a.name == "to")
+            .map(|a| a.i);
+        if !is(cast, "Cast") || to != Some(DataType::Float as i64) {
+            continue;
+        }
+        let cast_out = graph.node[cast].output[0].as_str();
+        let Some(&mul) = readers.get(cast_out).filter(|_| read_once(cast_out)) else {
+            continue;
+        };
+        let m = &graph.node[mul];
+        if !is(mul, "Mul") || m.input.len() != 2 || m.input[0] == m.input[1] {
+            continue;
+        }
+        let scale = if m.input[0] == cast_out {
+            &m.input[1]
+        } else {
+            &m.input[0]
+        };
+        let Some(&scale_mul) = producer.get(scale.as_str()).filter(|&&i| is(i, "Mul")) else {
+            continue;
+        };
+        let factors = &graph.node[scale_mul].input;
+        if factors.len() != 2 || !factors.iter().all(|f| one_f32.contains(f.as_str())) {
+            continue;
+        }
+        let own = read_once(scale).then_some(scale_mul);
+        fusions.push((
+            [mm, cast, mul],
+            own,
+            [factors[0].clone(), factors[1].clone()],
+        ));
+    }
+    let mut dropped = HashSet::new();
+    for ([mm, cast, mul], scale_mul, scales) in &fusions {
+        let out = graph.node[*mul].output[0].clone();
+        let node = &mut graph.node[*mm];
+        // The zero-point slots, empty when absent, then the scales.
+        node.input.resize(4, String::new());
+        node.input.extend(scales.iter().cloned());
+        node.output[0] = out;
+        node.attribute.push(pb::AttributeProto {
+            name: SCALES_ATTRIBUTE.into(),
+            r#type: pb::attribute_proto::AttributeType::Int as i32,
+            i: 2,
+            ..Default::default()
+        });
+        dropped.extend([*cast, *mul]);
+        dropped.extend(*scale_mul);
+    }
+    let mut at = 0;
+    graph.node.retain(|_| {
+        at += 1;
+        !dropped.contains(&(at - 1))
+    });
+    fusions.len()
 }
 
 /// Every reader of `from` reads `to` instead.
@@ -962,6 +1117,164 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// `fuse_scales_in_graph` on an int8 export's form (`DynamicQuantizeLinear` of `x`, two
+    /// products of it, each `Cast` and multiplied by the product of `x`'s scale and its
+    /// weight's): both products take their scales and the six nodes after them go, and tract
+    /// runs the graph to the same f32 bits; a `Cast` read twice or a scale of unknown size
+    /// leaves its product as it was.
+    #[test]
+    fn scales_fused_before_tract_give_the_same_bits() {
+        use tract_onnx::prelude::Framework;
+        let mut state = super::super::testing::xorshift(0x2545_f491_4f6c_dd1d);
+        let mut next = move || (state() >> 24) as u32;
+        let (k, n) = (32, 16);
+        let node = |op: &str, inputs: &[&str], outputs: &[&str]| pb::NodeProto {
+            op_type: op.into(),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        let cast = |input: &str, output: &str| pb::NodeProto {
+            attribute: vec![pb::AttributeProto {
+                name: "to".into(),
+                i: DataType::Float as i64,
+                r#type: pb::attribute_proto::AttributeType::Int as i32,
+                ..Default::default()
+            }],
+            ..node("Cast", &[input], &[output])
+        };
+        let init = |name: &str, dt: DataType, dims: Vec<i64>, raw: Vec<u8>| pb::TensorProto {
+            name: name.into(),
+            data_type: dt as i32,
+            dims,
+            raw_data: raw,
+            ..Default::default()
+        };
+        let weights = |name: &str, next: &mut dyn FnMut() -> u32| {
+            init(
+                name,
+                DataType::Int8,
+                vec![k as i64, n as i64],
+                (0..k * n).map(|_| next() as u8).collect(),
+            )
+        };
+        let scale =
+            |name: &str, v: f32| init(name, DataType::Float, vec![], v.to_le_bytes().to_vec());
+        let zero = |name: &str| init(name, DataType::Int8, vec![], vec![3]);
+        let graph = |extra_reader: bool, unknown_scale: bool, next: &mut dyn FnMut() -> u32| {
+            let mut nodes = vec![
+                node("DynamicQuantizeLinear", &["x"], &["xq", "xs", "xz"]),
+                node("MatMulInteger", &["xq", "w1", "xz", "z1"], &["y1"]),
+                cast("y1", "c1"),
+                node("Mul", &["xs", "s1"], &["m1"]),
+                node("Mul", &["c1", "m1"], &["o1"]),
+                node("MatMulInteger", &["xq", "w2", "xz", "z2"], &["y2"]),
+                cast("y2", "c2"),
+                node("Identity", &["xs"], &["xs_copy"]),
+                node(
+                    "Mul",
+                    &[if unknown_scale { "xs_copy" } else { "xs" }, "s2"],
+                    &["m2"],
+                ),
+                node("Mul", &["m2", "c2"], &["o2"]),
+            ];
+            let mut outputs = vec!["o1", "o2"];
+            if extra_reader {
+                // Before the `Mul`: the pass must count the readers, not find the last one.
+                nodes.insert(3, node("Identity", &["c1"], &["more"]));
+                outputs.push("more");
+            }
+            pb::ModelProto {
+                opset_import: vec![pb::OperatorSetIdProto {
+                    domain: String::new(),
+                    version: 17,
+                }],
+                graph: Some(pb::GraphProto {
+                    node: nodes,
+                    initializer: vec![
+                        weights("w1", next),
+                        weights("w2", next),
+                        zero("z1"),
+                        zero("z2"),
+                        scale("s1", 0.0213),
+                        scale("s2", 0.0071),
+                    ],
+                    input: vec![pb::ValueInfoProto {
+                        name: "x".into(),
+                        r#type: Some(pb::TypeProto {
+                            value: Some(pb::type_proto::Value::TensorType(
+                                pb::type_proto::Tensor {
+                                    elem_type: DataType::Float as i32,
+                                    shape: None,
+                                },
+                            )),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }],
+                    output: outputs
+                        .iter()
+                        .map(|o| pb::ValueInfoProto {
+                            name: o.to_string(),
+                            ..Default::default()
+                        })
+                        .collect(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }
+        };
+        let x: Vec<f32> = (0..3 * k).map(|_| next() as f32 / 1e3 - 2.0).collect();
+        let x = Tensor::from_shape(&[3, k], &x).unwrap();
+        let run = |proto: &pb::ModelProto| -> Vec<Vec<u32>> {
+            let mut model = crate::model::ops::onnx()
+                .model_for_proto_model(proto)
+                .unwrap();
+            model.set_input_fact(0, f32::fact([3, k]).into()).unwrap();
+            let plan = model.into_optimized().unwrap().into_runnable().unwrap();
+            plan.run(tvec!(x.clone().into()))
+                .unwrap()
+                .iter()
+                .map(|t| {
+                    let t = t.cast_to::<f32>().unwrap();
+                    let v = t
+                        .try_as_plain_ram()
+                        .unwrap()
+                        .as_slice::<f32>()
+                        .unwrap()
+                        .to_vec();
+                    v.iter().map(|v| v.to_bits()).collect()
+                })
+                .collect()
+        };
+        for (extra_reader, unknown_scale) in [(false, false), (true, false), (false, true)] {
+            let mut proto = graph(extra_reader, unknown_scale, &mut next);
+            let before = run(&proto);
+            let g = proto.graph.as_mut().unwrap();
+            let nodes = g.node.len();
+            let fused = fuse_scales_in_graph(g);
+            let with_scales: Vec<&[String]> = g
+                .node
+                .iter()
+                .filter(|n| n.attribute.iter().any(|a| a.name == SCALES_ATTRIBUTE))
+                .map(|n| &n.input[4..])
+                .collect();
+            let expected = if extra_reader || unknown_scale { 1 } else { 2 };
+            assert_eq!(
+                fused, expected,
+                "extra_reader {extra_reader}, unknown_scale {unknown_scale}"
+            );
+            assert_eq!(g.node.len(), nodes - 3 * expected);
+            assert_eq!(with_scales.len(), expected);
+            assert!(with_scales.iter().all(|s| s[0] == "xs"));
+            assert_eq!(
+                before,
+                run(&proto),
+                "extra_reader {extra_reader}, unknown_scale {unknown_scale}"
+            );
         }
     }
 
