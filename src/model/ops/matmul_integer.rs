@@ -459,7 +459,8 @@ pub fn fuse_scales_in_graph(graph: &mut pb::GraphProto) -> usize {
     type Fusion = ([usize; 3], Option<usize>, [String; 2]);
     let mut fusions: Vec<Fusion> = vec![];
     for (mm, node) in graph.node.iter().enumerate() {
-        if !is(mm, "MatMulInteger") || node.input.len() < 2 || node.output.len() != 1 {
+        let inputs = node.input.len();
+        if !is(mm, "MatMulInteger") || !(2..=4).contains(&inputs) || node.output.len() != 1 {
             continue;
         }
         let sums = node.output[0].as_str();
@@ -471,7 +472,10 @@ pub fn fuse_scales_in_graph(graph: &mut pb::GraphProto) -> usize {
             .iter()
             .find(|a| a.name == "to")
             .map(|a| a.i);
-        if !is(cast, "Cast") || to != Some(DataType::Float as i64) {
+        if !is(cast, "Cast")
+            || to != Some(DataType::Float as i64)
+            || graph.node[cast].output.len() != 1
+        {
             continue;
         }
         let cast_out = graph.node[cast].output[0].as_str();
@@ -479,7 +483,8 @@ pub fn fuse_scales_in_graph(graph: &mut pb::GraphProto) -> usize {
             continue;
         };
         let m = &graph.node[mul];
-        if !is(mul, "Mul") || m.input.len() != 2 || m.input[0] == m.input[1] {
+        if !is(mul, "Mul") || m.input.len() != 2 || m.input[0] == m.input[1] || m.output.len() != 1
+        {
             continue;
         }
         let scale = if m.input[0] == cast_out {
@@ -1275,6 +1280,48 @@ mod tests {
                 run(&proto),
                 "extra_reader {extra_reader}, unknown_scale {unknown_scale}"
             );
+        }
+    }
+
+    /// Malformed nodes in the pattern (a `Cast` or `Mul` without output, a product with five
+    /// inputs) are left as they are, for tract to refuse, and the pass does not panic.
+    #[test]
+    fn scales_are_not_fused_into_malformed_nodes() {
+        let node = |op: &str, inputs: &[&str], outputs: &[&str]| pb::NodeProto {
+            op_type: op.into(),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            attribute: vec![pb::AttributeProto {
+                name: "to".into(),
+                i: DataType::Float as i64,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let scale = |name: &str| pb::TensorProto {
+            name: name.into(),
+            data_type: DataType::Float as i32,
+            float_data: vec![0.5],
+            ..Default::default()
+        };
+        for (mm_inputs, cast_out, mul_out) in [
+            (&["a", "w", "az", "wz"][..], &[][..], &["o"][..]),
+            (&["a", "w", "az", "wz"][..], &["c"][..], &[][..]),
+            (&["a", "w", "az", "wz", "extra"][..], &["c"][..], &["o"][..]),
+        ] {
+            let mut graph = pb::GraphProto {
+                node: vec![
+                    node("MatMulInteger", mm_inputs, &["y"]),
+                    node("Cast", &["y"], cast_out),
+                    node("Mul", &["s1", "s2"], &["m"]),
+                    node("Mul", &["c", "m"], mul_out),
+                ],
+                initializer: vec![scale("s1"), scale("s2")],
+                ..Default::default()
+            };
+            let before = graph.clone();
+            assert_eq!(fuse_scales_in_graph(&mut graph), 0);
+            assert_eq!(graph, before);
         }
     }
 
