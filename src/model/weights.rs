@@ -212,8 +212,8 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
 /// How a value is read: by how many node inputs (and subgraph outputs), and how many of those
 /// are the `B` of a plain `MatMul`.
 #[derive(Default)]
-struct Reads {
-    all: usize,
+pub(crate) struct Reads {
+    pub(crate) all: usize,
     matmul_b: usize,
 }
 
@@ -310,7 +310,7 @@ fn subgraphs(nodes: &[pb::NodeProto]) -> impl Iterator<Item = &pb::GraphProto> {
 }
 
 /// Adds the reads of `nodes` and of their subgraphs to `reads`.
-fn count_reads(nodes: &[pb::NodeProto], reads: &mut HashMap<String, Reads>) {
+pub(crate) fn count_reads(nodes: &[pb::NodeProto], reads: &mut HashMap<String, Reads>) {
     for node in nodes {
         for (i, input) in node.input.iter().enumerate() {
             let r = reads.entry(input.clone()).or_default();

@@ -409,25 +409,12 @@ pub const SCALES_ATTRIBUTE: &str = "scales";
 #[cfg_attr(feature = "small", allow(dead_code))]
 pub fn fuse_scales_in_graph(graph: &mut pb::GraphProto) -> usize {
     // Readers of each value: nodes at any depth, and the outputs of the graph and subgraphs.
-    fn count(nodes: &[pb::NodeProto], reads: &mut HashMap<String, usize>) {
-        for node in nodes {
-            for input in &node.input {
-                *reads.entry(input.clone()).or_default() += 1;
-            }
-            for g in node.attribute.iter().filter_map(|a| a.g.as_ref()) {
-                for o in &g.output {
-                    *reads.entry(o.name.clone()).or_default() += 1;
-                }
-                count(&g.node, reads);
-            }
-        }
-    }
-    let mut reads: HashMap<String, usize> = HashMap::new();
-    count(&graph.node, &mut reads);
+    let mut reads = HashMap::new();
+    crate::model::weights::count_reads(&graph.node, &mut reads);
     for o in &graph.output {
-        *reads.entry(o.name.clone()).or_default() += 1;
+        reads.entry(o.name.clone()).or_default().all += 1;
     }
-    let read_once = |name: &str| reads.get(name) == Some(&1);
+    let read_once = |name: &str| reads.get(name).is_some_and(|r| r.all == 1);
     let producer: HashMap<&str, usize> = graph
         .node
         .iter()
