@@ -13,6 +13,18 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/onn
 mkdir -p "$CARGO_TARGET_DIR"
 log="$CARGO_TARGET_DIR/native-tests.log"
 
+# Cargo decides whether this crate is fresh from the modification times of the files its last
+# build read, named relative to the package (its artifact names do not depend on the checkout's
+# path either). So after a build from another checkout sharing this target folder, a checkout
+# whose files are older would run the other one's code, and tests that find their files
+# through CARGO_MANIFEST_DIR would look in the other checkout (the real-model tests then skip
+# silently). When the last run came from elsewhere, this checkout's sources are made newer.
+checkout_marker="$CARGO_TARGET_DIR/last-checkout"
+if [ "$(cat "$checkout_marker" 2>/dev/null)" != "$root" ]; then
+  find src tests examples js -type f -exec touch {} +
+  printf '%s\n' "$root" >"$checkout_marker"
+fi
+
 step "toolchain"
 command -v cargo >/dev/null || { echo "cargo is required (rustup)"; exit 1; }
 rustup target list --installed 2>/dev/null | grep -qx wasm32-unknown-unknown \
