@@ -252,6 +252,12 @@ fn header(b: &[u8]) -> std::result::Result<Option<Header>, &'static str> {
     }))
 }
 
+/// The decoder's levels always hold the model's (`feed` never closes it, `finish` takes it): an
+/// error rather than a panic if that ever stops being true.
+fn level_gone() -> String {
+    "the decoder lost track of the message it is in".to_string()
+}
+
 impl StreamDecoder {
     pub fn new(file_name: &str) -> StreamDecoder {
         StreamDecoder {
@@ -315,7 +321,7 @@ impl StreamDecoder {
         loop {
             if let Some((raw, left)) = self.copying {
                 let n = left.min(data.len() as u64) as usize;
-                let level = self.levels.last_mut().expect("the model level stays open");
+                let level = self.levels.last_mut().ok_or_else(level_gone)?;
                 match (raw, level.raw.as_mut()) {
                     (true, Some(Raw::Bytes(r))) => r.extend_from_slice(&data[..n]),
                     (true, Some(Raw::Apart(t, filled))) => {
@@ -352,7 +358,7 @@ impl StreamDecoder {
             data = &data[h.len - carried..];
             self.pos += h.len as u64;
             let end = self.pos.checked_add(h.payload);
-            let level = self.levels.last_mut().expect("the model level stays open");
+            let level = self.levels.last_mut().ok_or_else(level_gone)?;
             if end.is_none() || level.end.is_some_and(|e| end > Some(e)) {
                 return Err(self.invalid("a field runs past the end of its message"));
             }
@@ -390,11 +396,8 @@ impl StreamDecoder {
 
     /// The innermost message ended: decode it into its parent.
     fn close(&mut self) -> std::result::Result<(), String> {
-        let level = self.levels.pop().expect("the model level has no end");
-        let parent = self
-            .levels
-            .last_mut()
-            .expect("graphs and tensors have parents");
+        let level = self.levels.pop().ok_or_else(level_gone)?;
+        let parent = self.levels.last_mut().ok_or_else(level_gone)?;
         let bad = |e: prost::DecodeError| e.to_string();
         match level.kind {
             Kind::Tensor => {
@@ -405,7 +408,7 @@ impl StreamDecoder {
                 match level.raw {
                     Some(Raw::Bytes(raw)) => t.raw_data = raw,
                     Some(Raw::Apart(tensor, _)) => {
-                        let apart = self.apart.as_mut().expect("apart buffers in apart mode");
+                        let apart = self.apart.as_mut().ok_or("a tensor kept apart without apart buffers")?;
                         if apart.insert(t.name.clone(), tensor).is_some() {
                             return Err(self.invalid(format!("two initializers `{}`", t.name)));
                         }
@@ -438,7 +441,7 @@ impl StreamDecoder {
         if !self.carry.is_empty() || self.copying.is_some() || self.levels.len() != 1 {
             return Err(self.error(&self.invalid("the file ends inside a field (truncated?)")));
         }
-        let model = self.levels.pop().expect("the model level");
+        let model = self.levels.pop().ok_or_else(|| self.error(&level_gone()))?;
         let mut proto = <pb::ModelProto as prost::Message>::decode(&model.rest[..])
             .map_err(|e| self.error(&self.invalid(e)))?;
         proto.graph = model.graph;
