@@ -408,7 +408,10 @@ impl StreamDecoder {
                 match level.raw {
                     Some(Raw::Bytes(raw)) => t.raw_data = raw,
                     Some(Raw::Apart(tensor, _)) => {
-                        let apart = self.apart.as_mut().ok_or("a tensor kept apart without apart buffers")?;
+                        let apart = self
+                            .apart
+                            .as_mut()
+                            .ok_or("a tensor kept apart without apart buffers")?;
                         if apart.insert(t.name.clone(), tensor).is_some() {
                             return Err(self.invalid(format!("two initializers `{}`", t.name)));
                         }

@@ -24,7 +24,7 @@ use super::matmul_weights::{self, Layout};
 
 /// From this many rows of `A` (a prompt, an encoder), `B` is transposed for the prompt kernel;
 /// fewer (a decoding step's one row) multiply `B` as it lies.
-const PROMPT_ROWS: usize = 4;
+pub(super) const PROMPT_ROWS: usize = 4;
 
 /// The op type of the rewritten `MatMul`s (registered in `ops/mod.rs`).
 pub const MATMUL_RUNTIME: &str = "MatMulRuntime";
@@ -174,40 +174,75 @@ impl EvalOp for RuntimeOp {
                 ia += i * sa[ax];
                 ib += if head == Some(ax) { i / self.group } else { i } * sb[ax];
             }
-            let wb = &w[ib..ib + k * n];
-            let xb = &x[ia..ia + m * k];
-            if self.trans_b {
-                // B^T as it lies is `[n, k]`: the weights' kernels read it in place, through a
-                // panel copy for several rows (as from `[k, n]` below).
-                if m >= PROMPT_ROWS && k.is_multiple_of(4) {
-                    transposed.resize(k * n, 0.0);
-                    panels_from_rows(wb, k, n, &mut transposed);
-                    matmul_weights::matmul_f32_nk(xb, m, &transposed, k, n, Layout::Panels, c);
-                } else {
-                    matmul_weights::matmul_f32_nk(xb, m, wb, k, n, Layout::Nk, c);
-                }
-            } else if m >= PROMPT_ROWS {
-                // B transposed to [n, k] (k n copies against m k n products), in panels when K
-                // allows, then the prompt kernel of the weight matmuls: two rows of A per pass
-                // over four columns.
-                let layout = if k.is_multiple_of(4) {
-                    Layout::Panels
-                } else {
-                    Layout::Nk
-                };
-                transposed.resize(k * n, 0.0);
-                match layout {
-                    Layout::Panels => transpose_panels(wb, k, n, &mut transposed),
-                    _ => transpose_nk(wb, k, n, &mut transposed),
-                }
-                matmul_weights::matmul_f32_nk(xb, m, &transposed, k, n, layout, c);
-            } else {
-                for (r, row) in c.chunks_exact_mut(n.max(1)).enumerate() {
-                    axpy_rows(&xb[r * k..(r + 1) * k], wb, n, row);
-                }
-            }
+            let b = ready(self.trans_b, &w[ib..ib + k * n], m, k, n, &mut transposed);
+            multiply(&b, &x[ia..ia + m * k], k, n, c);
         }
         Ok(tvec!(Tensor::from_shape(&cshape, &out)?.into_tvalue()))
+    }
+}
+
+/// One batch's `B` made ready for [`multiply`] by [`ready`].
+pub(super) enum Ready<'a> {
+    /// `[n, k]` (a `B` given transposed, as it lies), for the weights' kernels.
+    Nk(&'a [f32]),
+    /// A copy `[n, k]` in `Layout`, for the prompt kernel of the weight matmuls.
+    Copy(&'a [f32], Layout),
+    /// `[k, n]` as it lies: each row of `A` adds up rows of `B`.
+    Rows(&'a [f32]),
+}
+
+/// `wb`, one batch's `B` (`[k, n]`, or `[n, k]` when `trans_b`), ready to multiply `m` rows of
+/// `A`: from `PROMPT_ROWS` rows copied (into `transposed`) for the prompt kernel, fewer (a
+/// decoding step's one row) read where it lies.
+pub(super) fn ready<'a>(
+    trans_b: bool,
+    wb: &'a [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    transposed: &'a mut Vec<f32>,
+) -> Ready<'a> {
+    if trans_b {
+        // B^T as it lies is `[n, k]`: the weights' kernels read it in place, through a panel
+        // copy for several rows (as from `[k, n]` below).
+        if m >= PROMPT_ROWS && k.is_multiple_of(4) {
+            transposed.resize(k * n, 0.0);
+            panels_from_rows(wb, k, n, transposed);
+            Ready::Copy(transposed, Layout::Panels)
+        } else {
+            Ready::Nk(wb)
+        }
+    } else if m >= PROMPT_ROWS {
+        // B transposed to [n, k] (k n copies against m k n products), in panels when K allows,
+        // then the prompt kernel of the weight matmuls: two rows of A per pass over four
+        // columns.
+        transposed.resize(k * n, 0.0);
+        if k.is_multiple_of(4) {
+            transpose_panels(wb, k, n, transposed);
+            Ready::Copy(transposed, Layout::Panels)
+        } else {
+            transpose_nk(wb, k, n, transposed);
+            Ready::Copy(transposed, Layout::Nk)
+        }
+    } else {
+        Ready::Rows(wb)
+    }
+}
+
+/// `c = xb @ B` for the rows of `xb` (`[rows, k]`), `B` made ready by [`ready`]. Each row's
+/// sums are those of the whole when the rows are split in parts of at least `PROMPT_ROWS`
+/// rows (fewer: one part, as `ready` was told), each but the last an even count (the prompt
+/// kernel takes the rows in pairs from the first).
+pub(super) fn multiply(b: &Ready, xb: &[f32], k: usize, n: usize, c: &mut [f32]) {
+    let rows = xb.len() / k.max(1);
+    match *b {
+        Ready::Nk(w) => matmul_weights::matmul_f32_nk(xb, rows, w, k, n, Layout::Nk, c),
+        Ready::Copy(w, layout) => matmul_weights::matmul_f32_nk(xb, rows, w, k, n, layout, c),
+        Ready::Rows(w) => {
+            for (r, row) in c.chunks_exact_mut(n.max(1)).enumerate() {
+                axpy_rows(&xb[r * k..(r + 1) * k], w, n, row);
+            }
+        }
     }
 }
 

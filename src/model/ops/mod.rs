@@ -10,6 +10,7 @@
 //! tract's generic float arithmetic in compiled plans; `linalg` and `parallel` are the kernels'
 //! shared parts.
 
+pub mod attention;
 pub mod binary;
 pub mod conv1d;
 pub mod gather_block_quantized;
