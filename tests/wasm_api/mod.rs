@@ -90,7 +90,7 @@ fn error_message(e: &JsValue) -> String {
 /// Collects `on_token` events into a JS array.
 fn collector() -> (Array, Function) {
     let events = Array::new();
-    let push = Function::new_with_args("event", "this.push(event)").bind(&events);
+    let push = Function::new_with_args("event", "this.push(event)").bind0(&events);
     (events, push)
 }
 
@@ -192,7 +192,7 @@ async fn gpt2_golden_greedy_through_js_api() {
 async fn text_input_and_load_progress() {
     let f = llama();
     let progress = Array::new();
-    let push = Function::new_with_args("p", "this.push(p)").bind(&progress);
+    let push = Function::new_with_args("p", "this.push(p)").bind0(&progress);
     let options: JsValue = Object::new().into();
     set(&options, "on_progress", &push);
     let model = load_model(files(&f), options).await.unwrap();
@@ -263,7 +263,7 @@ async fn abort_resolves_with_abort_and_the_model_recovers() {
     let controller = web_abort_controller();
     let signal = get(&controller, "signal");
     // Abort from the first token event: generation stops after that step.
-    let abort = Function::new_with_args("e", "if (e.row === 0) this.abort()").bind(&controller);
+    let abort = Function::new_with_args("e", "if (e.row === 0) this.abort()").bind0(&controller);
     let options = js(&serde_json::json!({"max_new_tokens": 12}));
     set(&options, "signal", &signal);
     set(&options, "on_token", &abort);
@@ -523,7 +523,7 @@ async fn js_logits_processor_bans_a_token_like_suppress_tokens() {
         "ids, logits",
         &format!("this.push(Array.from(ids)); logits[{banned}] = -Infinity;"),
     )
-    .bind(&calls);
+    .bind0(&calls);
     let options = js(&base);
     set(&options, "logits_processor", &Array::of1(&ban));
     let custom = await_promise(model.generate(js(&prompts), options))
