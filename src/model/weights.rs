@@ -432,8 +432,9 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
 }
 
 /// `MatMul` operands that are a runtime tensor with its last two axes swapped, then maybe
-/// scaled by a scalar: `Transpose(K, perm=[0, .., r-1, r-2])`, or `Mul` of it by a one-value
-/// `Constant` or initializer (optimum's attention scales `Q` and `K^T` by `d^-1/4` each).
+/// scaled by a scalar: `Transpose(K, perm=[0, .., r-1, r-2])` (or another transpose of `K`'s
+/// own input that comes to the same), or `Mul` of it by a one-value `Constant` or initializer
+/// (optimum's attention scales `Q` and `K^T` by `d^-1/4` each).
 /// Operand name -> (`K`, the scale's name).
 fn transposed_operands(graph: &pb::GraphProto) -> HashMap<String, (String, Option<String>)> {
     let one_value = |t: &pb::TensorProto| t.dims.iter().product::<i64>() == 1;
@@ -455,12 +456,32 @@ fn transposed_operands(graph: &pb::GraphProto) -> HashMap<String, (String, Optio
                 .map(|t| t.name.as_str()),
         )
         .collect();
-    let transposes: HashMap<&str, &str> = graph
+    // Each `Transpose` with a `perm`: (input, perm, output).
+    let all: Vec<(&str, &[i64], &str)> = graph
         .node
         .iter()
         .filter(|n| n.op_type == "Transpose" && n.input.len() == 1 && n.output.len() == 1)
-        .filter(|n| perm(n).is_some_and(swaps_last_two))
-        .map(|n| (n.output[0].as_str(), n.input[0].as_str()))
+        .filter_map(|n| Some((n.input[0].as_str(), perm(n)?, n.output[0].as_str())))
+        .collect();
+    // A transpose swapping the last two axes reads `K`; another, `Transpose(X, p)`, is `K^T`
+    // for `K` a sibling `Transpose(X, q)` with `q` being `p` with its last two entries swapped
+    // (optimum's Whisper decoder computes the present key `Transpose(X, [0, 2, 1, 3])` and, for
+    // `Q K^T`, `Transpose(X, [0, 2, 3, 1])`: a second copy of the keys, per layer, of all 1500
+    // encoder positions).
+    let transposes: HashMap<&str, &str> = all
+        .iter()
+        .filter_map(|&(x, p, out)| {
+            if swaps_last_two(p) {
+                return Some((out, x));
+            }
+            let r = p.len();
+            let mut q = p.to_vec();
+            q.swap(r.checked_sub(2)?, r - 1);
+            let (_, _, k) = all
+                .iter()
+                .find(|&&(y, qs, _)| y == x && qs == q.as_slice())?;
+            Some((out, *k))
+        })
         .collect();
     let mut found: HashMap<String, (String, Option<String>)> = transposes
         .iter()
@@ -701,7 +722,9 @@ mod tests {
 
     /// The keys of `Q K^T`: a `MatMul` by `Mul(Transpose(k, perm=[0, 1, 3, 2]), scale)`
     /// becomes `MatMulRuntime(Mul(q, scale), k)` with `trans_b`; by a `Transpose` alone,
-    /// `MatMulRuntime(q, k)` with `trans_b`; other permutations stay as they are.
+    /// `MatMulRuntime(q, k)` with `trans_b`; by `Transpose(x, [0, 2, 3, 1])` beside
+    /// `present = Transpose(x, [0, 2, 1, 3])`, `MatMulRuntime(q, present)` with `trans_b`; other
+    /// permutations stay as they are.
     #[test]
     fn matmuls_by_transposed_keys_read_the_keys() {
         let node =
@@ -743,6 +766,9 @@ mod tests {
                     node("MatMul", &["q", "kt"], "plain", None),
                     node("Transpose", &["k"], "other", Some(vec![0, 2, 3, 1])),
                     node("MatMul", &["q", "other"], "kept", None),
+                    node("Transpose", &["x"], "present", Some(vec![0, 2, 1, 3])),
+                    node("Transpose", &["x"], "xt", Some(vec![0, 2, 3, 1])),
+                    node("MatMul", &["q", "xt"], "cross", None),
                 ],
                 ..Default::default()
             }),
@@ -776,6 +802,11 @@ mod tests {
             (MATMUL_RUNTIME, &["q".to_string(), "other".to_string()][..])
         );
         assert!(!trans_b(kept));
+        // `x` transposed to `[0, 2, 3, 1]` is the sibling `present` with its last two axes
+        // swapped: the product reads `present`.
+        let cross = by_output("cross");
+        assert_eq!(cross.input, ["q", "present"]);
+        assert!(trans_b(cross));
     }
 
     /// A merged decoder: both branches of an `If` multiply by the matrix `w`, which becomes
