@@ -129,10 +129,17 @@ impl AttentionOp {
                     r0 + block
                 };
                 let rows = r1 - r0;
-                let mut scores = vec![0f32; rows * n];
+                // The scores straight into the tensor the softmax takes (and works in).
+                let mut scores = Tensor::zero::<f32>(&[rows, n])?;
                 let at = b * m + r0;
-                multiply(&kb, &qs[at * d..(at + rows) * d], d, n, &mut scores);
-                let scores = Tensor::from_shape(&[rows, n], &scores)?;
+                let mut into = scores.try_as_plain_ram_mut()?;
+                multiply(
+                    &kb,
+                    &qs[at * d..(at + rows) * d],
+                    d,
+                    n,
+                    into.as_slice_mut::<f32>()?,
+                );
                 let p = softmax.eval(ctx, tvec!(scores.into_tvalue()))?.remove(0);
                 let p = p.try_as_plain_ram()?.as_slice::<f32>()?;
                 multiply(&vb, p, n, e, &mut out[at * e..(at + rows) * e]);
@@ -258,14 +265,7 @@ mod tests {
             };
             let y = model.wire_node("pv", op, &[p[0], v]).unwrap();
             model.select_output_outlets(&y).unwrap();
-            let run = |m: TypedModel| {
-                m.into_runnable()
-                    .unwrap()
-                    .run(tvec!())
-                    .unwrap()
-                    .remove(0)
-                    .into_tensor()
-            };
+            let run = super::super::testing::first_output;
             let before = run(model.clone());
             assert_eq!(fuse(&mut model).unwrap(), 1);
             let order = model.eval_order().unwrap();

@@ -367,13 +367,7 @@ mod tests {
                 .wire_node("ours", RuntimeOp { trans_b, group: 1 }, &[sa, sb])
                 .unwrap();
             m.select_output_outlets(&o).unwrap();
-            let ours = m
-                .into_runnable()
-                .unwrap()
-                .run(tvec!())
-                .unwrap()
-                .remove(0)
-                .into_tensor();
+            let ours = super::super::testing::first_output(m);
             let mut model = TypedModel::default();
             let ia = model.add_const("a", a).unwrap();
             let ib = model.add_const("b", b).unwrap();
@@ -382,13 +376,7 @@ mod tests {
                 .wire("mm", &mut model, &[ia, ib])
                 .unwrap();
             model.select_output_outlets(&out).unwrap();
-            let theirs = model
-                .into_runnable()
-                .unwrap()
-                .run(tvec!())
-                .unwrap()
-                .remove(0)
-                .into_tensor();
+            let theirs = super::super::testing::first_output(model);
             let case = format!("{ashape:?} x {bshape:?}, trans_b {trans_b}");
             assert_eq!(ours.shape(), theirs.shape(), "{case}");
             ours.close_enough(&theirs, Approximation::Approximate)
@@ -434,14 +422,7 @@ mod tests {
             let op = RuntimeOp { trans_b, group: 1 };
             let y = model.wire_node("mm", op, &[a, b[0]]).unwrap();
             model.select_output_outlets(&y).unwrap();
-            let run = |m: TypedModel| {
-                m.into_runnable()
-                    .unwrap()
-                    .run(tvec!())
-                    .unwrap()
-                    .remove(0)
-                    .into_tensor()
-            };
+            let run = super::super::testing::first_output;
             let before = run(model.clone());
             assert_eq!(grouped_kv(&mut model).unwrap(), 1);
             // The plan runs no repeat.

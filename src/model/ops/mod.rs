@@ -219,6 +219,17 @@ pub(crate) mod testing {
     use serde_json::Value;
     use tract_onnx::prelude::*;
 
+    /// The first output of a model without inputs (its operands are constants), run once.
+    pub fn first_output(model: TypedModel) -> Tensor {
+        model
+            .into_runnable()
+            .unwrap()
+            .run(tvec!())
+            .unwrap()
+            .remove(0)
+            .into_tensor()
+    }
+
     fn tensor(v: &Value) -> Tensor {
         let shape: Vec<usize> = v["shape"]
             .as_array()
