@@ -10,6 +10,7 @@ pub mod optimizer;
 pub mod seq2seq;
 pub mod signature;
 pub mod tract_decoder;
+pub mod typing;
 pub mod weights;
 
 use std::sync::Arc;

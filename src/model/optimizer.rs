@@ -290,6 +290,20 @@ mod tests {
         lines
     }
 
+    /// `typing::into_typed` (one analysis) gives the graph of tract's `into_typed`: the same
+    /// ops reading the same outlets with the same facts, and the same names.
+    #[test]
+    fn typing_gives_the_graph_of_tracts_into_typed() {
+        for path in FIXTURES {
+            let theirs = typed(path);
+            let ours = crate::model::typing::into_typed(parsed(path)).unwrap();
+            assert!(ours.nodes.len() > 10, "{path}: {} nodes", ours.nodes.len());
+            assert_eq!(structure(&ours), structure(&theirs), "{path}");
+            let names = |m: &TypedModel| m.nodes.iter().map(|n| n.name.clone()).collect::<Vec<_>>();
+            assert_eq!(names(&ours), names(&theirs), "{path}");
+        }
+    }
+
     /// Fixture graphs of each kind: a decoder with and without positions, with a cache, an
     /// encoder-decoder's decoder, Whisper's encoder and decoder.
     const FIXTURES: [&str; 6] = [

@@ -551,7 +551,7 @@ fn compile(
 /// matches onnxruntime (`tests/whisper.rs`); the masks of the other exported decoders are
 /// runtime inputs, which the pass cannot fold anyway.
 pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
-    let mut typed = model.into_typed()?;
+    let mut typed = crate::model::typing::into_typed(model)?;
     #[cfg(not(feature = "small"))]
     crate::model::optimizer::declutter_and_optimize(&mut typed)?;
     #[cfg(feature = "small")]
