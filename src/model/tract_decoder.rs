@@ -532,9 +532,10 @@ fn compile(
     })
 }
 
-/// tract's declutter and codegen passes, without `FoldUniformMask` (run by `optimizer.rs`,
-/// which applies their patches faster than tract's own session; by tract's session under the
-/// `small` feature), then the generic float arithmetic tract leaves per element replaced by
+/// The graph typed with one analysis (`typing.rs`; tract's `into_typed` under the `small`
+/// feature), tract's declutter and codegen passes, without `FoldUniformMask` (run by
+/// `optimizer.rs`, which applies their patches faster than tract's own session; by tract's
+/// session under the `small` feature), then the generic float arithmetic tract leaves per element replaced by
 /// vectorized ops (`ops::binary`), the attention products of grouped-query attention rewired
 /// to read each group's keys and values where they lie (`matmul_runtime::grouped_kv`), the
 /// scales of dynamically quantized products applied by the products
@@ -551,9 +552,12 @@ fn compile(
 /// matches onnxruntime (`tests/whisper.rs`); the masks of the other exported decoders are
 /// runtime inputs, which the pass cannot fold anyway.
 pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
+    #[cfg(not(feature = "small"))]
     let mut typed = crate::model::typing::into_typed(model)?;
     #[cfg(not(feature = "small"))]
     crate::model::optimizer::declutter_and_optimize(&mut typed)?;
+    #[cfg(feature = "small")]
+    let mut typed = model.into_typed()?;
     #[cfg(feature = "small")]
     {
         crate::model::optimizer::declutter_passes().optimize(&mut typed)?;
