@@ -535,12 +535,12 @@ fn compile(
 /// The graph typed with one analysis (`typing.rs`; tract's `into_typed` under the `small`
 /// feature), tract's declutter and codegen passes, without `FoldUniformMask` (run by
 /// `optimizer.rs`, which applies their patches faster than tract's own session; by tract's
-/// session under the `small` feature), then the generic float arithmetic tract leaves per element replaced by
-/// vectorized ops (`ops::binary`), the attention products of grouped-query attention rewired
-/// to read each group's keys and values where they lie (`matmul_runtime::grouped_kv`), the
-/// scales of dynamically quantized products applied by the products
-/// (`matmul_integer::fuse_scales`), and each `MatMul -> Softmax -> MatMul` attention computed
-/// a block of query rows at a time (`attention::fuse`; not in the small package).
+/// session under the `small` feature), then the generic float arithmetic tract leaves per
+/// element replaced by vectorized ops (`ops::binary`), the attention products of grouped-query
+/// attention rewired to read each group's keys and values where they lie
+/// (`matmul_runtime::grouped_kv`), the scales of dynamically quantized products applied by the
+/// products (`matmul_integer::fuse_scales`), and each `MatMul -> Softmax -> MatMul` attention
+/// computed a block of query rows at a time (`attention::fuse`; not in the small package).
 ///
 /// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
 /// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal
