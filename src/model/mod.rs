@@ -7,6 +7,7 @@ pub mod files;
 pub mod onnx;
 pub mod ops;
 pub mod optimizer;
+pub mod padding_mask;
 pub mod seq2seq;
 pub mod signature;
 pub mod tract_decoder;

@@ -588,6 +588,53 @@ pub fn specialize_bool_input(proto: &mut pb::ModelProto, name: &str, value: bool
     Ok(())
 }
 
+/// Drop the nodes whose outputs nothing reads: no graph output, no node that is kept, no node
+/// of a subgraph of one (a branch may read an outer value by its name).
+#[cfg_attr(feature = "small", allow(dead_code))]
+pub(crate) fn drop_unread_nodes(graph: &mut pb::GraphProto) {
+    let producer: HashMap<&str, usize> = (graph.node.iter().enumerate())
+        .flat_map(|(ix, n)| n.output.iter().map(move |o| (o.as_str(), ix)))
+        .filter(|(o, _)| !o.is_empty())
+        .collect();
+    let mut kept = vec![false; graph.node.len()];
+    let mut wanted: Vec<&str> = graph.output.iter().map(|o| o.name.as_str()).collect();
+    while let Some(name) = wanted.pop() {
+        let Some(&ix) = producer.get(name) else {
+            continue;
+        };
+        if std::mem::replace(&mut kept[ix], true) {
+            continue;
+        }
+        let node = &graph.node[ix];
+        wanted.extend(node.input.iter().map(String::as_str));
+        for g in node
+            .attribute
+            .iter()
+            .flat_map(|a| a.g.iter().chain(&a.graphs))
+        {
+            names_read(g, &mut wanted);
+        }
+    }
+    let nodes = std::mem::take(&mut graph.node).into_iter().zip(kept);
+    graph.node = nodes.filter_map(|(n, kept)| kept.then_some(n)).collect();
+}
+
+/// Every name the nodes of `graph` and of its subgraphs read, and its outputs.
+#[cfg_attr(feature = "small", allow(dead_code))]
+fn names_read<'a>(graph: &'a pb::GraphProto, into: &mut Vec<&'a str>) {
+    into.extend(graph.output.iter().map(|o| o.name.as_str()));
+    for node in &graph.node {
+        into.extend(node.input.iter().map(String::as_str));
+        for g in node
+            .attribute
+            .iter()
+            .flat_map(|a| a.g.iter().chain(&a.graphs))
+        {
+            names_read(g, into);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -116,19 +116,19 @@ impl TractDecoder {
             let no_cache = (sig.cache_mode == CacheMode::Grow).then(|| proto.clone());
             let mut with_cache = proto;
             specialize_bool_input(&mut with_cache, "use_cache_branch", true)?;
-            logits_of_last_positions(&mut with_cache, &sig.logits_name);
+            rewrite_for_tract(&mut with_cache, &sig);
             let template = parse_graph_owned(with_cache, &sig, &apart)?;
             let first = match no_cache {
                 Some(mut no_cache) => {
                     specialize_bool_input(&mut no_cache, "use_cache_branch", false)?;
-                    logits_of_last_positions(&mut no_cache, &sig.logits_name);
+                    rewrite_for_tract(&mut no_cache, &sig);
                     Some(parse_graph_owned(no_cache, &sig, &apart)?)
                 }
                 None => None,
             };
             (template, first)
         } else {
-            logits_of_last_positions(&mut proto, &sig.logits_name);
+            rewrite_for_tract(&mut proto, &sig);
             // Freed before the plan is compiled.
             let template = parse_graph_owned(proto, &sig, &apart)?;
             (template, None)
@@ -218,6 +218,17 @@ impl Inner {
         let plan = Arc::new(compile(template.clone(), &self.sig, batch, width)?);
         plans.insert((batch, first), plan.clone());
         Ok(plan)
+    }
+}
+
+/// The graph's rewrites for this engine: the logits of the last positions only, and, where
+/// the mask covers every past and new position (not `in_place`), the exported padding-mask
+/// lookup as the mask with two axes inserted (`padding_mask`; not in the small package).
+fn rewrite_for_tract(proto: &mut pb::ModelProto, sig: &Signature) {
+    logits_of_last_positions(proto, &sig.logits_name);
+    #[cfg(not(feature = "small"))]
+    if sig.cache_mode != CacheMode::InPlace {
+        crate::model::padding_mask::rewrite(proto);
     }
 }
 
