@@ -96,8 +96,8 @@ impl<'a> Lookup<'a> {
 
     /// `name` through any `Cast`s.
     fn uncast(&self, mut name: &'a str) -> &'a str {
-        while let Some(cast) = self.node(name, "Cast") {
-            name = &cast.input[0];
+        while let Some(input) = self.node(name, "Cast").and_then(|c| c.input.first()) {
+            name = input;
         }
         name
     }
@@ -122,7 +122,7 @@ impl<'a> Lookup<'a> {
     /// The 2-D mask that `reshape` lays out as `[batch, 1, 1, length]`, when `reshape` ends
     /// the exported padding-mask lookup (see the module's doc).
     fn padded_mask(&self, reshape: &'a pb::NodeProto) -> Option<&'a str> {
-        if reshape.op_type != "Reshape" || reshape.input.len() != 2 {
+        if reshape.op_type != "Reshape" || reshape.input.len() != 2 || reshape.output.len() != 1 {
             return None;
         }
         let flat = self.node(&reshape.input[0], "Reshape")?;
@@ -145,31 +145,30 @@ impl<'a> Lookup<'a> {
         (whole && self.uncast(mask) == MASK && self.is_mask_offsets(indices, mask)).then_some(mask)
     }
 
+    /// The two operands of the `op` node writing `name`, in both orders (`Add` and `Mul`
+    /// commute).
+    fn operands(&self, name: &str, op: &str) -> Vec<(&'a str, &'a str)> {
+        match self.node(name, op).map(|n| n.input.as_slice()) {
+            Some([a, b]) => vec![(a, b), (b, a)],
+            _ => vec![],
+        }
+    }
+
     /// Whether `indices` is `batch_idx * Shape(mask)[1] + kv_idx`.
     fn is_mask_offsets(&self, indices: &str, mask: &str) -> bool {
-        let Some(add) = self.node(indices, "Add") else {
-            return false;
-        };
-        let [a, b] = add.input.as_slice() else {
-            return false;
-        };
-        [(a, b), (b, a)].into_iter().any(|(positions, rows)| {
-            self.unsqueezed_range(positions)
-                .is_some_and(|(_, axis)| axis == 3)
-                && self.is_row_offsets(rows, mask)
-        })
+        self.operands(indices, "Add")
+            .into_iter()
+            .any(|(positions, rows)| {
+                self.unsqueezed_range(positions)
+                    .is_some_and(|(_, axis)| axis == 3)
+                    && self.is_row_offsets(rows, mask)
+            })
     }
 
     /// Whether `name` is `batch_idx * Shape(mask)[1]`, `batch_idx` counting the rows of a
     /// tensor (`Range(0, Shape(t)[0], 1)`) at axis 0 of four.
     fn is_row_offsets(&self, name: &str, mask: &str) -> bool {
-        let Some(mul) = self.node(name, "Mul") else {
-            return false;
-        };
-        let [a, b] = mul.input.as_slice() else {
-            return false;
-        };
-        [(a, b), (b, a)].into_iter().any(|(rows, width)| {
+        self.operands(name, "Mul").into_iter().any(|(rows, width)| {
             let counts_rows = self.unsqueezed_range(rows).is_some_and(|(range, axis)| {
                 axis == 0 && self.dim_of_shape(&range.input[1], 0).is_some()
             });
@@ -206,7 +205,7 @@ impl<'a> Lookup<'a> {
                             .clone(),
                     };
                     inserted.push(axes);
-                    name = &node.input[0];
+                    name = node.input.first()?;
                 }
                 "Range" => break node,
                 _ => return None,
