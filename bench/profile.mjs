@@ -2,11 +2,12 @@
 // freeing the previous one), runs prompts on the last load, and prints per phase the wall time,
 // CPU time / wall time (above 1: V8's background compilation or GC ran beside the engine), RSS
 // and wasm memory. With --profile it records V8 CPU profiles (node:inspector) of the first load
-// and the first prompt, writes them (open them in Chromium's DevTools) and prints the functions
-// with the most time, inclusive and self.
+// and of prompt --profile-prompt (the first by default; a later one shows decoding without
+// V8's tier-up of the first), writes them (open them in Chromium's DevTools) and prints the
+// functions with the most time, inclusive and self.
 //
 //   node bench/profile.mjs [--pkg pkg] [--model DIR] [--onnx FILE] [--loads N] [--prompts N]
-//                          [--tokens N] [--profile DIR] [--top N]
+//                          [--tokens N] [--profile DIR] [--profile-prompt N] [--top N]
 //
 // Defaults: ../pkg, the SmolLM2 files of .realmodels/smollm2/tjs (onnx/model.onnx) when built,
 // otherwise the tiny fixture tests/fixtures/models/llama; 1 load, 2 prompts of 16 tokens.
@@ -30,6 +31,7 @@ const { values: opt } = parseArgs({
     prompts: { type: "string", default: "2" },
     tokens: { type: "string", default: "16" },
     profile: { type: "string" },
+    "profile-prompt": { type: "string", default: "1" },
     top: { type: "string", default: "25" },
   },
 });
@@ -37,6 +39,11 @@ const real = join(root, ".realmodels/smollm2/tjs");
 const dir = resolve(root, opt.model ?? (existsSync(real) ? real : "tests/fixtures/models/llama"));
 const onnx = opt.onnx ?? (existsSync(join(dir, "onnx/model.onnx")) ? "onnx/model.onnx" : "model.onnx");
 const pkgDir = resolve(root, opt.pkg);
+const profiledPrompt = Number(opt["profile-prompt"]);
+if (!(Number.isInteger(profiledPrompt) && profiledPrompt >= 1 && profiledPrompt <= opt.prompts)) {
+  const expected = `expected a prompt from 1 to --prompts (${opt.prompts})`;
+  throw new Error(`--profile-prompt: ${opt["profile-prompt"]}; ${expected}`);
+}
 for (const [what, path] of [["--pkg", join(pkgDir, "onnx_generate.js")], ["--model", join(dir, onnx)]]) {
   if (!existsSync(path)) throw new Error(`${what}: ${path} not found`);
 }
@@ -138,7 +145,7 @@ const tokens = Number(opt.tokens);
 for (let p = 0; p < Number(opt.prompts); p++) {
   const times = [];
   const start = performance.now();
-  const result = await phase(`prompt ${p + 1}`, p === 0 && session, () =>
+  const result = await phase(`prompt ${p + 1}`, p + 1 === profiledPrompt && session, () =>
     model.generate(input, {
       max_new_tokens: tokens,
       min_new_tokens: tokens,
