@@ -29,10 +29,8 @@ pub fn merge_common(graph: &mut pb::GraphProto) {
 /// The output names of `graph` and of every subgraph in it.
 fn collect_outputs(graph: &pb::GraphProto, into: &mut HashSet<String>) {
     into.extend(graph.output.iter().map(|o| o.name.clone()));
-    for a in graph.node.iter().flat_map(|n| &n.attribute) {
-        for g in a.g.iter().chain(&a.graphs) {
-            collect_outputs(g, into);
-        }
+    for g in graph.node.iter().flat_map(super::onnx::subgraphs) {
+        collect_outputs(g, into);
     }
 }
 

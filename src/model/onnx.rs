@@ -607,11 +607,7 @@ pub(crate) fn drop_unread_nodes(graph: &mut pb::GraphProto) {
         }
         let node = &graph.node[ix];
         wanted.extend(node.input.iter().map(String::as_str));
-        for g in node
-            .attribute
-            .iter()
-            .flat_map(|a| a.g.iter().chain(&a.graphs))
-        {
+        for g in subgraphs(node) {
             names_read(g, &mut wanted);
         }
     }
@@ -625,14 +621,17 @@ fn names_read<'a>(graph: &'a pb::GraphProto, into: &mut Vec<&'a str>) {
     into.extend(graph.output.iter().map(|o| o.name.as_str()));
     for node in &graph.node {
         into.extend(node.input.iter().map(String::as_str));
-        for g in node
-            .attribute
-            .iter()
-            .flat_map(|a| a.g.iter().chain(&a.graphs))
-        {
+        for g in subgraphs(node) {
             names_read(g, into);
         }
     }
+}
+
+/// The subgraphs of a node's attributes (`If` branches, `Loop` and `Scan` bodies).
+pub(crate) fn subgraphs(node: &pb::NodeProto) -> impl Iterator<Item = &pb::GraphProto> {
+    node.attribute
+        .iter()
+        .flat_map(|a| a.g.iter().chain(&a.graphs))
 }
 
 #[cfg(test)]
