@@ -334,3 +334,29 @@ fn finished_rows_sit_out_or_leave_the_batch_with_the_same_result() {
         }
     }
 }
+
+/// A prompt of up to 512 tokens runs in one step, as transformers runs it in one forward pass
+/// (every step reads all the weights): greedy and beam search take as many steps after a
+/// 200-token prompt as after a 1-token one, in each cache mode.
+#[test]
+fn a_prompt_runs_in_one_step() {
+    for name in ["llama", "gpt2", "gpt2-nopos"] {
+        let model = load(name);
+        for opts in [
+            json!({"max_new_tokens": 5, "eos_token_id": null}),
+            json!({"max_new_tokens": 5, "eos_token_id": null, "num_beams": 2}),
+        ] {
+            let steps = |len: u32| {
+                let prompt: Vec<u32> = (0..len).map(|i| 3 + i % 400).collect();
+                let opts = options(opts.clone());
+                let mut g = Generation::new(&model, &[prompt], &opts, vec![]).unwrap();
+                while !g.is_finished() {
+                    g.step(&model).unwrap();
+                }
+                g.steps()
+            };
+            let short = steps(1);
+            assert_eq!([steps(37), steps(200)], [short; 2], "{name} {opts}");
+        }
+    }
+}

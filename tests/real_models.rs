@@ -3,7 +3,8 @@
 //! (MatMulNBits), `model_quantized.onnx` (MatMulInteger / DynamicQuantizeLinear) and
 //! `model_fp16.onnx` (f16 weights, f32 arithmetic). Each answers
 //! "What is the capital of France?" with "Paris", and its first 32 greedy ids equal onnxruntime's
-//! on the same file (tests/fixtures/real/smollm2.json, made by scripts/real_reference.py).
+//! on the same file (tests/fixtures/real/smollm2.json, made by scripts/real_reference.py); the
+//! int8 file's, fed one token a step, equal ONNX's reference implementation's.
 //!
 //! The models are not in the repository: they are looked up in `$ONNX_GENERATE_REAL_MODELS`, else
 //! `.realmodels/` at the repository root; without them each test prints
@@ -26,6 +27,15 @@ fn expected() -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// A JSON array of token ids.
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("{v} is not an array of ids"))
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
 fn read(p: &Path) -> Vec<u8> {
     std::fs::read(p).unwrap_or_else(|e| panic!("cannot read {}: {e}", p.display()))
 }
@@ -46,25 +56,19 @@ fn genai_files(root: &Path, build: &str) -> ModelFiles {
     }
 }
 
-/// Load, answer the question greedily and compare with onnxruntime.
-fn check(name: &str, expected_as: &str, files: impl FnOnce(&Path) -> ModelFiles) {
+/// Load, answer the question greedily and compare with onnxruntime's ids `expected_as` if given;
+/// the loaded model, or `None` when the real models are not there.
+fn check(
+    name: &str,
+    expected_as: Option<&str>,
+    files: impl FnOnce(&Path) -> ModelFiles,
+) -> Option<Model> {
     let Some(root) = models_dir() else {
         eprintln!("SKIPPED: real models not found (set ONNX_GENERATE_REAL_MODELS or link .realmodels) — {name} did not run");
-        return;
+        return None;
     };
     let golden = expected();
-    let want: Vec<u32> = golden["expected"][expected_as]["ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no expected ids for {name}"))
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect();
-    let prompt: Vec<u32> = golden["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect();
+    let prompt = ids(&golden["prompt_ids"]);
     let model = Model::load(&files(&root)).unwrap_or_else(|e| panic!("{name}: {e}"));
     let options =
         serde_json::json!({"max_new_tokens": golden["max_new_tokens"], "do_sample": false});
@@ -73,15 +77,19 @@ fn check(name: &str, expected_as: &str, files: impl FnOnce(&Path) -> ModelFiles)
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     let seq = &out.sequences[0][0];
     eprintln!("{name}: {:?} {:?}", seq.text, seq.token_ids);
-    assert_eq!(
-        seq.token_ids, want,
-        "{name}: greedy ids differ from onnxruntime's on {expected_as}"
-    );
+    if let Some(expected_as) = expected_as {
+        assert_eq!(
+            seq.token_ids,
+            ids(&golden["expected"][expected_as]["ids"]),
+            "{name}: greedy ids differ from onnxruntime's on {expected_as}"
+        );
+    }
     assert!(
         seq.text.contains("Paris"),
         "{name}: {:?} does not say Paris",
         seq.text
     );
+    Some(model)
 }
 
 #[test]
@@ -91,36 +99,63 @@ fn smollm2_genai_int4_cpu() {
         eprintln!("SKIPPED: smollm2/genai_int4_cpu not built (GENAI=1 scripts/real-models.sh)");
         return;
     }
-    check("genai_int4_cpu", "genai_int4_cpu", |root| {
+    check("genai_int4_cpu", Some("genai_int4_cpu"), |root| {
         genai_files(root, "genai_int4_cpu")
     });
 }
 
 #[test]
 fn smollm2_model_q4() {
-    check("model_q4", "model_q4", |root| {
+    check("model_q4", Some("model_q4"), |root| {
         ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("q4")).unwrap()
     });
 }
 
 /// The int8 export (DynamicQuantizeLinear + MatMulInteger, `ops::matmul_integer`, exact integer
-/// arithmetic) answers as the fp32 model does under onnxruntime: "The capital of France is
-/// Paris." with the same ids. onnxruntime's own run of this int8 file answers in French ("L'Alma,
-/// la France, ...", recorded in the fixture), most likely because its x86 u8 x s8 kernel can saturate
-/// 16-bit pair sums where exact integer arithmetic does not. So its ids are compared with
-/// onnxruntime's fp32 ids.
+/// arithmetic). DynamicQuantizeLinear quantizes all the tokens of a step with one scale. With the
+/// whole prompt in one step, as `generate()` runs it (and transformers on onnxruntime), that scale
+/// comes from the prompt's largest activations, and the first logits differ by several units
+/// between implementations: onnxruntime with and without its graph optimisations and ONNX's
+/// reference implementation each pick another first token, and this crate a fourth ("Le").
+/// So the ids are compared one token a step, each token quantized with its own scale, with ONNX's
+/// reference implementation fed the same way (`model_quantized_stepwise`, which answers as
+/// onnxruntime's fp32 run); `generate()`'s answer must still name Paris.
 #[test]
 fn smollm2_model_quantized_int8() {
-    check("model_quantized", "model", |root| {
+    let Some(model) = check("model_quantized", None, |root| {
         ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("quantized")).unwrap()
-    });
+    }) else {
+        return;
+    };
+    let golden = expected();
+    let max_new = golden["max_new_tokens"].as_u64().unwrap() as usize;
+    let prompt = ids(&golden["prompt_ids"]);
+    let mut state = model.start(1, prompt.len() + max_new, None).unwrap();
+    let (mut pending, mut got) = (prompt, vec![]);
+    while got.len() < max_new {
+        let mut logits = None;
+        for token in &pending {
+            logits = Some(state.step(&[std::slice::from_ref(token)]).unwrap());
+        }
+        let token = onnx_generate::search::argmax(logits.unwrap().row(0));
+        if model.generation_config.eos_ids().contains(&token) {
+            break;
+        }
+        got.push(token);
+        pending = vec![token];
+    }
+    assert_eq!(
+        got,
+        ids(&golden["expected"]["model_quantized_stepwise"]["ids"]),
+        "model_quantized, one token a step: greedy ids differ from ONNX's reference implementation's"
+    );
 }
 
 /// The float16 export runs in f32 with its matmul and embedding weights kept in f16
 /// (`model::weights`), and answers as onnxruntime does on the same file.
 #[test]
 fn smollm2_model_fp16() {
-    check("model_fp16", "model_fp16", |root| {
+    check("model_fp16", Some("model_fp16"), |root| {
         ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("fp16")).unwrap()
     });
 }

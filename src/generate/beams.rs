@@ -15,7 +15,7 @@ use crate::search::log_sum_exp;
 use crate::tokenizer::TextStream;
 use crate::vision::PromptInputs;
 
-use super::{FinishReason, Sequence, TokenEvent};
+use super::{FinishReason, Sequence, TokenEvent, PROMPT_CHUNK};
 
 /// One prompt of a beam request.
 struct Prompt {
@@ -152,18 +152,14 @@ impl BeamRun {
         // Scores of each row, and the beam step of each active prompt.
         let mut row_scores: Vec<Vec<f32>> = vec![];
         if !group.expanded {
-            // Prefill: each prompt's pending tokens in power-of-two chunks, one row per prompt.
+            // Prefill: each prompt's pending tokens, at most `PROMPT_CHUNK`, one row per prompt.
             let pending: Vec<usize> = group
                 .active
                 .iter()
                 .map(|&p| prompts[p].ids.len() - prompts[p].fed)
                 .collect();
             let most = pending.iter().copied().max().unwrap_or(0);
-            let chunk = if most == 0 {
-                0
-            } else {
-                1usize << (usize::BITS - 1 - most.leading_zeros())
-            };
+            let chunk = most.min(PROMPT_CHUNK);
             let tokens: Vec<&[u32]> = group
                 .active
                 .iter()

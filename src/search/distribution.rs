@@ -5,6 +5,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::{invalid, Result};
+use crate::generate::PROMPT_CHUNK;
 use crate::model::{EncoderInput, Model};
 use crate::processors::{Chain, ChainInputs, RowContext};
 use crate::search::softmax_into;
@@ -78,12 +79,11 @@ impl Model {
             encoder.as_ref().map(|e| (e, &[0usize][..])),
             prompt_inputs.as_ref().map(|p| (p, &[0usize][..])),
         )?;
-        // Feed the tokens in power-of-two chunks, as the generation loop does.
+        // Feed the tokens in steps of up to `PROMPT_CHUNK`, as the generation loop does.
         let mut fed = 0;
         let mut logits = None;
         while fed < ids.len() {
-            let left = ids.len() - fed;
-            let chunk = 1usize << (usize::BITS - 1 - left.leading_zeros());
+            let chunk = (ids.len() - fed).min(PROMPT_CHUNK);
             logits = Some(state.step(&[&ids[fed..fed + chunk]])?);
             fed += chunk;
         }
