@@ -115,8 +115,8 @@ fn smollm2_model_q4() {
 /// arithmetic). DynamicQuantizeLinear quantizes all the tokens of a step with one scale. With the
 /// whole prompt in one step, as `generate()` runs it (and transformers on onnxruntime), that scale
 /// comes from the prompt's largest activations, and the first logits differ by several units
-/// between implementations: onnxruntime with and without its graph optimisations and ONNX's
-/// reference implementation each pick another first token, and this crate a fourth ("Le").
+/// between implementations: onnxruntime and ONNX's reference implementation pick "L", onnxruntime
+/// without its graph optimisations "B", this crate's native build "Le" (its wasm "L").
 /// So the ids are compared one token a step, each token quantized with its own scale, with ONNX's
 /// reference implementation fed the same way (`model_quantized_stepwise`, which answers as
 /// onnxruntime's fp32 run); `generate()`'s answer must still name Paris.
