@@ -428,7 +428,8 @@ impl StreamDecoder {
                 Ok(_) => return Err(self.invalid("two graphs")),
                 Err(e) => return Err(self.invalid(bad(e))),
             },
-            Kind::Model => unreachable!("the model level is closed by finish"),
+            // The model is the outermost level, which `finish` closes: never a parent's child.
+            Kind::Model => return Err("the model message inside another message".into()),
         }
         Ok(())
     }
