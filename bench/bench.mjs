@@ -6,7 +6,7 @@
 //   npm run bench -- [--quick] [--models fp32,q4,whisper] [--env node,chromium] [--threads 1,2]
 //                    [--reps N] [--tokens N] [--budget SECONDS] [--out FILE]
 //                    [--parallel-threshold MACS]   (the threads build's setParallelThreshold)
-//                    [--pkg pkg-small]   (onnx-generate's 1-thread package: pkg/ by default)
+//                    [--pkg DIR]   (onnx-generate's 1-thread package: pkg/ by default)
 //   npm run bench -- --batch 1,4,8 [--models fp32] [--env ...] [--tokens 16]   (onnx-generate only)
 import { execFileSync, spawn } from "node:child_process";
 import { closeSync, existsSync, mkdtempSync, openSync, readdirSync, readFileSync, readSync, rmSync, statSync, writeFileSync } from "node:fs";
@@ -57,7 +57,7 @@ const options = {
   batch: flag("batch") ? list(opt("batch", "1,4,8")).map(Number) : [],
   // The threads build's setParallelThreshold (multiply-accumulates), when given.
   parallelThreshold: opt("parallel-threshold", null) === null ? null : Number(opt("parallel-threshold")),
-  // The folder of the 1-thread package, in the repository (pkg-small/: the small build).
+  // The folder of the 1-thread package, in the repository (another build of the package).
   pkg: opt("pkg", "pkg").replace(/\/+$/, ""),
 };
 for (const e of options.envs) {
@@ -73,8 +73,6 @@ if (!(options.tokens >= 2)) throw new Error("--tokens must be at least 2 (decode
 
 const pkgWasm = join(repo, options.pkg, "onnx_generate_bg.wasm");
 if (!existsSync(pkgWasm)) throw new Error(`${pkgWasm} not found: build it with scripts/build-wasm.sh`);
-// The small build (pkg-small/), when it is there: its size is reported beside pkg/'s.
-const smallWasm = join(repo, "pkg-small/onnx_generate_bg.wasm");
 // onnx-generate on more than one thread: the threads build (pkg-threads/), in Chromium only
 // (wasm-bindgen-rayon's workers are Web Workers, which Node lacks).
 const threadsWasm = join(repo, "pkg-threads/onnx_generate_bg.wasm");
@@ -377,9 +375,6 @@ function size(path) {
   return { raw: bytes.length, gzip: gzipSync(bytes, { level: 9 }).length };
 }
 const sizes = [{ engine: "onnx-generate", file: `${options.pkg}/onnx_generate_bg.wasm`, ...size(pkgWasm) }];
-if (options.pkg !== "pkg-small" && existsSync(smallWasm)) {
-  sizes.push({ engine: "onnx-generate", file: "pkg-small/onnx_generate_bg.wasm", alternative: true, ...size(smallWasm) });
-}
 // The relaxed SIMD twin of pkg/'s wasm, which engines with relaxed SIMD load instead.
 const relaxedWasm = join(repo, options.pkg, "onnx_generate_bg_relaxed.wasm");
 if (existsSync(relaxedWasm)) {

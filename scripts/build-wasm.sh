@@ -1,39 +1,33 @@
 #!/bin/sh
-# Build the npm package in pkg/: a release build with SIMD (+simd128) for the web target, which
-# also runs in Node (see the README's Node example), and the same with relaxed SIMD as
-# pkg/onnx_generate_bg_relaxed.wasm (below). Prints the wasm size, raw and gzipped.
-# Uses wasm-pack (scripts/setup-wasm.sh installs it); WASM_PACK=0 runs the same steps with
-# cargo and wasm-bindgen directly.
+# Build the npm package in pkg/: the wasm-package profile of Cargo.toml (dependencies optimised
+# for size, fat LTO) with SIMD (+simd128) for the web target, which also runs in Node (see the
+# README's Node example), and the same with relaxed SIMD as pkg/onnx_generate_bg_relaxed.wasm
+# (below); cargo and wasm-bindgen directly, then npm's binaryen (a devDependency) merges the
+# functions that compiled to the same code. Prints each wasm's size, raw and gzipped: each must
+# stay within 3 MB gzipped (scripts/test-wasm.sh checks it).
 #
 # --threads builds the threads package in pkg-threads/ instead: the `threads` feature (rayon)
 # with wasm-bindgen-rayon's initThreadPool, on the nightly toolchain with std rebuilt for
 # shared memory (-Z build-std, +atomics,+bulk-memory,+mutable-globals), in its own target
 # folder (wasm-threads/ in the target folder, cold the first time). It needs a cross-origin isolated page
 # (COOP/COEP) and Web Workers, so it runs in browsers, not in Node.
-#
-# --small builds the small package in pkg-small/ instead: the same code with the release-small
-# profile of Cargo.toml (dependencies optimised for size, fat LTO) and the `small` feature (tract's
-# own optimiser session), for size limits such as a Cloudflare Worker's; cargo and wasm-bindgen
-# directly (wasm-pack has no custom profiles), then npm's binaryen (a devDependency) merges the
-# functions that compiled to the same code.
 set -eu
 cd "$(dirname "$0")/.."
 threads=0
-small=0
 for arg in "$@"; do
   case "$arg" in
   --threads) threads=1 ;;
-  --small) small=1 ;;
   *)
-    echo "build-wasm: unknown option $arg (--threads builds pkg-threads/, --small pkg-small/)" >&2
+    echo "build-wasm: unknown option $arg (--threads builds pkg-threads/)" >&2
     exit 2
     ;;
   esac
 done
 
-# add_relaxed OUT TARGET_DIR CARGO_COMMAND...: the same code with relaxed SIMD as well
+# add_relaxed OUT TARGET_DIR PROFILE CARGO_COMMAND...: the same code with relaxed SIMD as well
 # (+relaxed-simd: the f32 kernels multiply and add in one f32x4.relaxed_madd), built by the
-# command into its own target folder (cold the first time), as OUT/onnx_generate_bg_relaxed.wasm.
+# command into its own target folder (cold the first time) with the cargo profile whose output
+# folder is PROFILE, as OUT/onnx_generate_bg_relaxed.wasm.
 # The package's init() loads it where the engine validates relaxed SIMD (Chromium, Node 22 and
 # later) and the plain one elsewhere (an engine without relaxed SIMD rejects the whole module).
 # Both run with OUT's glue: the exports that wasm-bindgen names after a function's index take
@@ -41,12 +35,13 @@ done
 add_relaxed() {
   relaxed_out=$1
   relaxed_dir=$2
-  shift 2
+  relaxed_profile=$3
+  shift 3
   rm -f "$relaxed_out/onnx_generate_bg_relaxed.wasm"
   "$@"
   relaxed_tmp=$(mktemp -d)
   wasm-bindgen --target web --out-dir "$relaxed_tmp" --out-name onnx_generate \
-    "$relaxed_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
+    "$relaxed_dir/wasm32-unknown-unknown/$relaxed_profile/onnx_generate.wasm"
   if ! node scripts/align-exports.mjs "$relaxed_out/onnx_generate.js" \
     "$relaxed_tmp/onnx_generate.js" "$relaxed_tmp/onnx_generate_bg.wasm"; then
     rm -rf "$relaxed_tmp"
@@ -80,47 +75,43 @@ if [ "$threads" = 1 ]; then
   wasm-bindgen --target web --out-dir "$out" --out-name onnx_generate \
     "$target_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
   # shellcheck disable=SC2086
-  add_relaxed "$out" "$target_dir-relaxed" env \
+  add_relaxed "$out" "$target_dir-relaxed" release env \
     CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=$features,+relaxed-simd $memory" \
     cargo +nightly rustc --release --target wasm32-unknown-unknown --lib --features threads \
     --target-dir "$target_dir-relaxed" -Z build-std=panic_abort,std -- $link
-elif [ "$small" = 1 ]; then
-  out=pkg-small
+else
+  out=pkg
+  profile=wasm-package
   export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128"
-  cargo build --profile release-small --target wasm32-unknown-unknown --lib --features small
+  cargo build --profile "$profile" --target wasm32-unknown-unknown --lib
   rm -rf "$out"
   wasm-bindgen --target web --out-dir "$out" --out-name onnx_generate \
-    "${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/release-small/onnx_generate.wasm"
+    "${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/$profile/onnx_generate.wasm"
+  relaxed_dir=${RELAXED_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-relaxed}
+  add_relaxed "$out" "$relaxed_dir" "$profile" env \
+    CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128,+relaxed-simd" \
+    cargo build --profile "$profile" --target wasm32-unknown-unknown --lib --target-dir "$relaxed_dir"
   # Generic code monomorphised into identical functions, merged (each round finds the callers
   # of the last round's duplicates identical in turn), then unused elements dropped and locals
   # renumbered: 57 KB less gzipped; then the arguments that every caller passes the same (or
   # that go unused) removed and the functions that had them optimised, and branches to the end
   # of their blocks dropped: 19 KB less. wasm-opt -Os/-Oz shrink the raw file but compress
-  # worse.
+  # worse. (After align-exports.mjs, which compares wasm-bindgen's output of both files.)
   dfe=--duplicate-function-elimination
-  node node_modules/binaryen/bin/wasm-opt "$out/onnx_generate_bg.wasm" \
-    --enable-simd --enable-bulk-memory --enable-nontrapping-float-to-int --enable-sign-ext \
-    --enable-mutable-globals --enable-multivalue --enable-reference-types \
-    $dfe $dfe $dfe $dfe --remove-unused-module-elements --coalesce-locals --reorder-locals \
-    --vacuum --dae-optimizing --remove-unused-brs --vacuum -o "$out/onnx_generate_bg.wasm"
-else
-  out=pkg
-  export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128"
-  if [ "${WASM_PACK:-1}" != 0 ] && command -v wasm-pack >/dev/null 2>&1; then
-    wasm-pack build --release --target web --out-dir pkg --out-name onnx_generate
-  else
-    cargo build --release --target wasm32-unknown-unknown --lib
-    rm -rf pkg
-    wasm-bindgen --target web --out-dir pkg --out-name onnx_generate \
-      "${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/release/onnx_generate.wasm"
-  fi
-  relaxed_dir=${RELAXED_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-relaxed}
-  add_relaxed pkg "$relaxed_dir" env \
-    CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128,+relaxed-simd" \
-    cargo build --release --target wasm32-unknown-unknown --lib --target-dir "$relaxed_dir"
+  for wasm in "$out/onnx_generate_bg.wasm" "$out/onnx_generate_bg_relaxed.wasm"; do
+    relaxed=""
+    case "$wasm" in *_relaxed.wasm) relaxed=--enable-relaxed-simd ;; esac
+    node node_modules/binaryen/bin/wasm-opt "$wasm" $relaxed \
+      --enable-simd --enable-bulk-memory \
+      --enable-nontrapping-float-to-int --enable-sign-ext --enable-mutable-globals \
+      --enable-multivalue --enable-reference-types \
+      $dfe $dfe $dfe $dfe --remove-unused-module-elements --coalesce-locals --reorder-locals \
+      --vacuum --dae-optimizing --remove-unused-brs --vacuum -o "$wasm"
+  done
 fi
 node scripts/finish-pkg.mjs "$out"
-wasm=$out/onnx_generate_bg.wasm
-raw=$(wc -c < "$wasm")
-gz=$(gzip -9 -c "$wasm" | wc -c)
-echo "build-wasm: $wasm is $raw bytes, $gz bytes gzipped (-9)"
+for wasm in "$out"/onnx_generate_bg*.wasm; do
+  raw=$(wc -c < "$wasm")
+  gz=$(gzip -9 -c "$wasm" | wc -c)
+  echo "build-wasm: $wasm is $raw bytes, $gz bytes gzipped (-9)"
+done

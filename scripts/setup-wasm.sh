@@ -2,7 +2,7 @@
 # Install what the wasm build and tests need; idempotent and quick when everything is there.
 #   rustup target wasm32-unknown-unknown, the nightly toolchain with rust-src (the threads
 #   build rebuilds std: scripts/build-wasm.sh --threads), wasm-bindgen-cli (the version of Cargo.lock),
-#   wasm-pack, Debian's chromium + chromium-driver, npm dev dependencies (typescript,
+#   Debian's chromium + chromium-driver, npm dev dependencies (typescript,
 #   playwright-core, and deno and wrangler (with workerd) for the edge examples), the
 #   benchmark's npm dependencies (bench/).
 set -eu
@@ -27,11 +27,6 @@ if [ "$have" != "$want" ]; then
   echo "setup-wasm: installing wasm-bindgen-cli $want (found '${have:-none}')"
   # Without --locked: with it a pinned dependency is missing.
   cargo install wasm-bindgen-cli --version "$want"
-fi
-
-if ! command -v wasm-pack >/dev/null 2>&1; then
-  echo "setup-wasm: installing wasm-pack"
-  cargo install wasm-pack --locked
 fi
 
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then

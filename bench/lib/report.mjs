@@ -237,7 +237,8 @@ export function report({ machine, options, models: all, runs, bandwidth, sizes }
   out(`| engine | file | raw MB | gzip -9 MB |`);
   out(`|---|---|---|---|`);
   for (const s of sizes) out(`| ${s.engine} | ${s.file} | ${fmt(s.raw / MB, 2)} | ${fmt(s.gzip / MB, 2)} |`);
-  // pkg-threads/ and pkg-small/ replace pkg/ where they are used: the total counts one package.
+  // The relaxed SIMD wasm and pkg-threads/ replace pkg/'s wasm where they are used: the total
+  // counts one package.
   const total = (e) => sizes.filter((s) => s.engine === e && !s.alternative).reduce((a, s) => ({ raw: a.raw + s.raw, gzip: a.gzip + s.gzip }), { raw: 0, gzip: 0 });
   const og = total("onnx-generate");
   const tj = total("transformers.js");

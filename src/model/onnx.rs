@@ -118,7 +118,6 @@ pub fn prepare(decoded: Decoded, external: Option<&[u8]>, file_name: &str) -> Re
     }
     inline_external_data(graph, external, file_name)?;
     super::cse::merge_common(graph);
-    #[cfg(not(feature = "small"))]
     super::ops::matmul_integer::fuse_scales_in_graph(graph);
     super::weights::rewrite(&mut proto, &mut apart)?;
     Ok(Decoded { proto, apart })
@@ -591,7 +590,6 @@ pub fn specialize_bool_input(proto: &mut pb::ModelProto, name: &str, value: bool
 
 /// Drop the nodes whose outputs nothing reads: no graph output, no node that is kept, no node
 /// of a subgraph of one (a branch may read an outer value by its name).
-#[cfg_attr(feature = "small", allow(dead_code))]
 pub(crate) fn drop_unread_nodes(graph: &mut pb::GraphProto) {
     let producer: HashMap<&str, usize> = (graph.node.iter().enumerate())
         .flat_map(|(ix, n)| n.output.iter().map(move |o| (o.as_str(), ix)))
@@ -617,7 +615,6 @@ pub(crate) fn drop_unread_nodes(graph: &mut pb::GraphProto) {
 }
 
 /// Every name the nodes of `graph` and of its subgraphs read, and its outputs.
-#[cfg_attr(feature = "small", allow(dead_code))]
 fn names_read<'a>(graph: &'a pb::GraphProto, into: &mut Vec<&'a str>) {
     into.extend(graph.output.iter().map(|o| o.name.as_str()));
     for node in &graph.node {

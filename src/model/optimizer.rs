@@ -29,7 +29,6 @@ pub fn declutter_passes() -> Optimizer {
 
 /// `model.declutter()` with [`declutter_passes`], then `model.optimize()` (codegen), each to
 /// its fixed point.
-#[cfg_attr(feature = "small", allow(dead_code))]
 pub fn declutter_and_optimize(model: &mut TypedModel) -> TractResult<()> {
     run(&declutter_passes(), model)?;
     run(&Optimizer::codegen(), model)?;

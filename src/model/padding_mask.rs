@@ -17,8 +17,7 @@
 //! (past plus new positions; in `in_place` mode the mask is shorter than the buffer). tract
 //! simplifies the gather chain in three more rounds of its declutter passes, each over the
 //! whole graph: SmolLM2's int8 file loaded natively in about 560 ms with them, 510 ms without;
-//! in Node 1.14-1.17 s, 1.05-1.11 s. Not in the small package (7.8 KB gzipped; `Cargo.toml`).
-#![cfg_attr(feature = "small", allow(dead_code))]
+//! in Node 1.14-1.17 s, 1.05-1.11 s.
 
 use std::collections::HashMap;
 

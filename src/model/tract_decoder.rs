@@ -223,10 +223,9 @@ impl Inner {
 
 /// The graph's rewrites for this engine: the logits of the last positions only, and, where
 /// the mask covers every past and new position (not `in_place`), the exported padding-mask
-/// lookup as the mask with two axes inserted (`padding_mask`; not in the small package).
+/// lookup as the mask with two axes inserted (`padding_mask`).
 fn rewrite_for_tract(proto: &mut pb::ModelProto, sig: &Signature) {
     logits_of_last_positions(proto, &sig.logits_name);
-    #[cfg(not(feature = "small"))]
     if sig.cache_mode != CacheMode::InPlace {
         crate::model::padding_mask::rewrite(proto);
     }
@@ -543,15 +542,14 @@ fn compile(
     })
 }
 
-/// The graph typed with one analysis (`typing.rs`; tract's `into_typed` under the `small`
-/// feature), tract's declutter and codegen passes, without `FoldUniformMask` (run by
-/// `optimizer.rs`, which applies their patches faster than tract's own session; by tract's
-/// session under the `small` feature), then the generic float arithmetic tract leaves per
+/// The graph typed with one analysis (`typing.rs`), tract's declutter and codegen passes,
+/// without `FoldUniformMask` (run by `optimizer.rs`, which applies their patches faster than
+/// tract's own session), then the generic float arithmetic tract leaves per
 /// element replaced by vectorized ops (`ops::binary`), the attention products of grouped-query
 /// attention rewired to read each group's keys and values where they lie
 /// (`matmul_runtime::grouped_kv`), the scales of dynamically quantized products applied by the
 /// products (`matmul_integer::fuse_scales`), and each `MatMul -> Softmax -> MatMul` attention
-/// computed a block of query rows at a time (`attention::fuse`; not in the small package).
+/// computed a block of query rows at a time (`attention::fuse`).
 ///
 /// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
 /// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal
@@ -563,21 +561,11 @@ fn compile(
 /// matches onnxruntime (`tests/whisper.rs`); the masks of the other exported decoders are
 /// runtime inputs, which the pass cannot fold anyway.
 pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
-    #[cfg(not(feature = "small"))]
     let mut typed = crate::model::typing::into_typed(model)?;
-    #[cfg(not(feature = "small"))]
     crate::model::optimizer::declutter_and_optimize(&mut typed)?;
-    #[cfg(feature = "small")]
-    let mut typed = model.into_typed()?;
-    #[cfg(feature = "small")]
-    {
-        crate::model::optimizer::declutter_passes().optimize(&mut typed)?;
-        typed.optimize()?;
-    }
     crate::model::ops::binary::replace_generic(&mut typed)?;
     crate::model::ops::matmul_runtime::grouped_kv(&mut typed)?;
     crate::model::ops::matmul_integer::fuse_scales(&mut typed)?;
-    #[cfg(not(feature = "small"))]
     crate::model::ops::attention::fuse(&mut typed)?;
     Ok(typed)
 }

@@ -9,8 +9,6 @@
 //! `Gather`, `Unsqueeze`, `Concat` of the shape computations, through a model built for each).
 //! That was 45% of `into_typed` in a native load of SmolLM2 int8.
 //! When some op does rewrite itself, [`into_typed`] takes tract's way.
-//! The small package uses tract's `into_typed` (code size; `Cargo.toml`).
-#![cfg_attr(feature = "small", allow(dead_code))]
 
 use std::collections::HashMap;
 

@@ -404,9 +404,7 @@ pub const SCALES_ATTRIBUTE: &str = "scales";
 /// slots (the `scales` attribute says how many), writes the `Mul`'s output and the three
 /// nodes go: 630 of int8 SmolLM2's 4,792 nodes, which tract would otherwise analyse and
 /// optimise at every load. The same operations as the graph's (`IntegerWeightsOp`), so the same
-/// values. Returns how many products took their scales. Not in the small package (the `small`
-/// feature), where `fuse_scales` does it at every load.
-#[cfg_attr(feature = "small", allow(dead_code))]
+/// values. Returns how many products took their scales.
 pub fn fuse_scales_in_graph(graph: &mut pb::GraphProto) -> usize {
     // Readers of each value: nodes at any depth, and the outputs of the graph and subgraphs.
     let mut reads = HashMap::new();

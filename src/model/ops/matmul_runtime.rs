@@ -269,7 +269,7 @@ pub fn grouped_kv(model: &mut TypedModel) -> TractResult<usize> {
         };
         // The same output: the product reads `x` in place of the repeats, with its group.
         // (In place rather than through a `ModelPatch`, whose code weighed 19 KB of the
-        // gzipped small package.)
+        // gzipped package.)
         model.node_mut(id).op = Box::new(RuntimeOp { group: rep, ..op });
         model.add_edge(x, InletId::new(id, 1))?;
         rewired += 1;
