@@ -235,6 +235,16 @@ def main():
     conv1d("conv1d_grouped_dilated", f32(1, 4, 12), f32(6, 2, 3), True,
            group=2, dilations=[2], pads=[1, 1])
 
+    # tract's DFT (its `Fft` op), which runs on crates/rustfft (Cargo.toml's patch): a power of
+    # two (radix-2), another length (direct DFT), inverse, and a real input.
+    def dft(name, x, **attrs):
+        save(name, [helper.make_node("DFT", ["x", "", "axis"], ["y"], **attrs)], {"x": x},
+             {"axis": np.array(1, np.int64)}, opset=20)
+
+    dft("dft_8_complex", f32(2, 8, 2), inverse=0)
+    dft("dft_12_complex_inverse", f32(1, 12, 2), inverse=1)
+    dft("dft_10_real", f32(3, 10, 1), inverse=0)
+
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,8 @@
 //! module: `SimplifiedLayerNormalization`, `SkipSimplifiedLayerNormalization`,
 //! `SkipLayerNormalization`, `RotaryEmbedding` (com.microsoft, interleaved or not) and the
 //! `DynamicQuantizeLinear` -> `MatMulInteger` path of dynamically quantized (int8) exports.
+//! Also the standard `DFT`, whose FFTs run on `crates/rustfft`, the stand-in for rustfft that
+//! `Cargo.toml` patches in.
 
 #[cfg(test)]
 mod tests {
@@ -35,5 +37,12 @@ mod tests {
     #[test]
     fn dynamic_quantize_matmul_integer() {
         check("dynamic_quantize_matmul_integer");
+    }
+
+    #[test]
+    fn dft_on_the_rustfft_stand_in() {
+        check("dft_8_complex");
+        check("dft_12_complex_inverse");
+        check("dft_10_real");
     }
 }
