@@ -3,16 +3,18 @@
 //! at load time, naming the node, on anything else.
 //!
 //! The layer norms (`SimplifiedLayerNormalization`, `SkipSimplifiedLayerNormalization`,
-//! `SkipLayerNormalization`), `RotaryEmbedding` and `DynamicQuantizeLinear` are tract-onnx's
-//! own, and so is `MatMulInteger` but for 8-bit weights (`matmul_integer`); `tract_builtins.rs`
-//! checks them against onnxruntime like the ops written here. `conv1d` takes the ONNX `Conv`s
-//! of one dimension with float32 weights (Whisper's encoder) from tract. `binary` replaces
-//! tract's generic float arithmetic in compiled plans; `linalg` and `parallel` are the kernels'
-//! shared parts.
+//! `SkipLayerNormalization`) and `RotaryEmbedding` are tract-onnx's own, and so is
+//! `MatMulInteger` but for 8-bit weights (`matmul_integer`); `DynamicQuantizeLinear` is written
+//! again here with tract's arithmetic (`dynamic_quantize`: for speed in the size-optimised
+//! package). `tract_builtins.rs` checks them against onnxruntime like the ops written here.
+//! `conv1d` takes the ONNX `Conv`s of one dimension with float32 weights (Whisper's encoder)
+//! from tract. `binary` replaces tract's generic float arithmetic in compiled plans; `linalg`
+//! and `parallel` are the kernels' shared parts.
 
 pub mod attention;
 pub mod binary;
 pub mod conv1d;
+pub mod dynamic_quantize;
 pub mod gather_block_quantized;
 pub mod group_query_attention;
 pub mod linalg;
@@ -52,6 +54,10 @@ pub fn register(reg: &mut OnnxOpRegister) {
     reg.insert(
         "GatherBlockQuantized",
         gather_block_quantized::gather_block_quantized,
+    );
+    reg.insert(
+        "DynamicQuantizeLinear",
+        dynamic_quantize::dynamic_quantize_linear,
     );
 }
 

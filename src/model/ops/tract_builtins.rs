@@ -1,7 +1,8 @@
 //! The contrib ops tract-onnx already provides, checked against onnxruntime like the ops of this
 //! module: `SimplifiedLayerNormalization`, `SkipSimplifiedLayerNormalization`,
 //! `SkipLayerNormalization`, `RotaryEmbedding` (com.microsoft, interleaved or not) and the
-//! `DynamicQuantizeLinear` -> `MatMulInteger` path of dynamically quantized (int8) exports.
+//! `DynamicQuantizeLinear` (`dynamic_quantize`) -> `MatMulInteger` path of dynamically quantized
+//! (int8) exports.
 //! Also the standard `DFT`, whose FFTs run on `crates/rustfft`, the stand-in for rustfft that
 //! `Cargo.toml` patches in.
 
