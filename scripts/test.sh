@@ -21,7 +21,7 @@ log="$CARGO_TARGET_DIR/native-tests.log"
 # silently). When the last run came from elsewhere, this checkout's sources are made newer.
 checkout_marker="$CARGO_TARGET_DIR/last-checkout"
 if [ "$(cat "$checkout_marker" 2>/dev/null)" != "$root" ]; then
-  find src tests examples js -type f -exec touch {} +
+  find src tests examples js crates -type f -exec touch {} +
   printf '%s\n' "$root" >"$checkout_marker"
 fi
 

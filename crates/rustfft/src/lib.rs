@@ -77,7 +77,9 @@ impl<T: FftNum> Default for FftPlanner<T> {
 
 impl<T: FftNum> FftPlanner<T> {
     pub fn new() -> Self {
-        FftPlanner { _element: std::marker::PhantomData }
+        FftPlanner {
+            _element: std::marker::PhantomData,
+        }
     }
 
     /// An FFT of `len` values in `direction`.
@@ -114,7 +116,11 @@ impl<T: FftNum> Plan<T> {
                 Complex::new(part(angle.cos()), part(angle.sin()))
             })
             .collect();
-        Plan { len, direction, twiddles }
+        Plan {
+            len,
+            direction,
+            twiddles,
+        }
     }
 
     /// In-place iterative radix-2 FFT of `x` (a power-of-two length): bit-reversed order, then
@@ -226,7 +232,14 @@ mod tests {
     }
 
     fn signal(n: usize) -> Vec<Complex<f64>> {
-        (0..n).map(|i| Complex::new((i as f64 * 0.7).sin() + 0.1 * i as f64, (i as f64 * 1.3).cos())).collect()
+        (0..n)
+            .map(|i| {
+                Complex::new(
+                    (i as f64 * 0.7).sin() + 0.1 * i as f64,
+                    (i as f64 * 1.3).cos(),
+                )
+            })
+            .collect()
     }
 
     #[test]
@@ -240,7 +253,10 @@ mod tests {
                 fft.process(&mut got);
                 let scale = want.iter().map(|v| v.norm()).fold(1.0, f64::max);
                 for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!((g - w).norm() <= 1e-12 * scale, "n {n} {direction:?} bin {k}: {g} vs {w}");
+                    assert!(
+                        (g - w).norm() <= 1e-12 * scale,
+                        "n {n} {direction:?} bin {k}: {g} vs {w}"
+                    );
                 }
             }
         }
@@ -249,13 +265,18 @@ mod tests {
     #[test]
     fn f32_buffers_of_several_transforms_and_the_round_trip() {
         let n = 12;
-        let x: Vec<Complex<f32>> =
-            signal(3 * n).iter().map(|v| Complex::new(v.re as f32, v.im as f32)).collect();
+        let x: Vec<Complex<f32>> = signal(3 * n)
+            .iter()
+            .map(|v| Complex::new(v.re as f32, v.im as f32))
+            .collect();
         let mut y = x.clone();
         FftPlanner::<f32>::new().plan_fft_forward(n).process(&mut y);
         for (c, chunk) in y.chunks(n).enumerate() {
             let want = reference(
-                &x[c * n..(c + 1) * n].iter().map(|v| Complex::new(v.re as f64, v.im as f64)).collect::<Vec<_>>(),
+                &x[c * n..(c + 1) * n]
+                    .iter()
+                    .map(|v| Complex::new(v.re as f64, v.im as f64))
+                    .collect::<Vec<_>>(),
                 false,
             );
             for (g, w) in chunk.iter().zip(&want) {

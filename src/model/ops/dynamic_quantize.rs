@@ -20,7 +20,12 @@ pub fn dynamic_quantize_linear(
     _ctx: &ParsingContext,
     node: &NodeProto,
 ) -> TractResult<(Box<dyn InferenceOp>, Vec<String>)> {
-    Ok((expand(Dql { label: node_label(node) }), vec![]))
+    Ok((
+        expand(Dql {
+            label: node_label(node),
+        }),
+        vec![],
+    ))
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -178,8 +183,18 @@ mod tests {
     #[test]
     fn the_examples_of_the_onnx_operator_documentation() {
         let cases: [(&[f32], f32, u8, &[u8]); 3] = [
-            (&[0., 2., -3., -2.5, 1.34, 0.5], 0.019_607_844, 153, &[153, 255, 0, 26, 221, 179]),
-            (&[-1., -2.1, -1.3, -2.5, -3.34, -4.], 0.015_686_275, 255, &[191, 121, 172, 96, 42, 0]),
+            (
+                &[0., 2., -3., -2.5, 1.34, 0.5],
+                0.019_607_844,
+                153,
+                &[153, 255, 0, 26, 221, 179],
+            ),
+            (
+                &[-1., -2.1, -1.3, -2.5, -3.34, -4.],
+                0.015_686_275,
+                255,
+                &[191, 121, 172, 96, 42, 0],
+            ),
             (
                 &[1., 2.1, 1.3, 2.5, 3.34, 4., 1.5, 2.6, 3.9, 4., 3., 2.345],
                 0.015_686_275,
@@ -214,7 +229,12 @@ mod tests {
         for x in &cases {
             let (want, got) = (reference(x), run(x));
             assert_eq!(got.0, want.0, "{} values", x.len());
-            assert_eq!(got.1.to_bits(), want.1.to_bits(), "scale of {} values", x.len());
+            assert_eq!(
+                got.1.to_bits(),
+                want.1.to_bits(),
+                "scale of {} values",
+                x.len()
+            );
             assert_eq!(got.2, want.2, "zero point of {} values", x.len());
         }
     }
