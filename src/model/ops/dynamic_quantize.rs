@@ -134,8 +134,8 @@ pub fn scale_and_zero(x: &[f32]) -> (f32, u8) {
         max = if v > max { v } else { max };
     }
     let scale = (max - min) / 255.0;
-    // All zeros: 0 / 0 is NaN, which f32::max turns into 0.
-    let zero = (-min / scale).round_ties_even().max(0.0).min(255.0) as u8;
+    // All zeros: 0 / 0 is NaN, which the cast turns into 0.
+    let zero = (-min / scale).round_ties_even().clamp(0.0, 255.0) as u8;
     (scale, zero)
 }
 
@@ -153,7 +153,8 @@ mod tests {
     use super::*;
     use crate::model::ops::testing::uniform;
 
-    /// tract-onnx 0.23's arithmetic, one value at a time (`ops::quant`).
+    /// tract-onnx 0.23's arithmetic, one value at a time (`ops::quant`), as it is written there.
+    #[allow(clippy::manual_clamp)]
     fn reference(x: &[f32]) -> (Vec<u8>, f32, u8) {
         let (min, max) = x.iter().fold((0f32, 0f32), |(lo, hi), &v| {
             if v < lo {
