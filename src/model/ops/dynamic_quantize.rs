@@ -102,10 +102,15 @@ impl EvalOp for DqlOp {
         let x_view = inputs[0].try_as_plain_ram()?;
         let x = x_view.as_slice::<f32>()?;
         let (scale, zero) = scale_and_zero(x);
-        let mut y = vec![0u8; x.len()];
-        quantize(x, scale, zero, &mut y);
+        let mut y = Tensor::zero::<u8>(inputs[0].shape())?;
+        quantize(
+            x,
+            scale,
+            zero,
+            y.try_as_plain_ram_mut()?.as_slice_mut::<u8>()?,
+        );
         Ok(tvec!(
-            Tensor::from_shape(inputs[0].shape(), &y)?.into_tvalue(),
+            y.into_tvalue(),
             tensor0(scale).into_tvalue(),
             tensor0(zero).into_tvalue()
         ))
