@@ -1,49 +1,57 @@
 // Makes a second wasm-bindgen build of the same code usable with the first build's JavaScript
-// glue: node scripts/align-exports.mjs FIRST.js SECOND.js SECOND_bg.wasm
+// glue: node scripts/align-exports.mjs FIRST.js FIRST_bg.wasm SECOND.js SECOND_bg.wasm
 //
-// wasm-bindgen names some exports after the index of their function (closure shims such as
-// `__wasm_bindgen_func_elem_1425`), and the indices of two builds with different target
-// features (pkg/'s plain and relaxed SIMD wasm) differ. The two glue files must otherwise be
-// the same, line for line (comments aside); the names that differ give the renaming, and the
-// second wasm's export section is rewritten with the first build's names. Fails, changing
-// nothing, when the glue differs in anything else or a renamed export would collide.
-// Known limit: the pairing is by line, and wasm-bindgen numbers the closure imports
-// (`__wbindgen_generic_N`) and orders the shims' definitions by their names, so when the two
-// builds' shim indices fall in another relative order (seen once, for pkg-threads/, after a
-// one-line change in src/model/ops/dynamic_quantize.rs: one name mapped to two), the glue
-// cannot be paired from the JavaScript alone and this fails rather than pair wrongly.
+// wasm-bindgen names two kinds of wasm functions after numbers that differ between two builds
+// with different target features (pkg/'s plain and relaxed SIMD wasm):
+// - closure shims, exports such as `__wasm_bindgen_func_elem_1425`, named after their index;
+// - closure casts, imports `__wbindgen_generic_N`, numbered in the order of their descriptors,
+//   which name the shim's index, so two builds can number the same casts differently.
+// The second wasm's shim exports and cast imports are renamed to the first build's names, and
+// then the second build's glue, so renamed, must be the first build's: line for line outside
+// the casts and the shims' wrappers (comments aside), and the same set of those. That check is
+// what makes the renaming right: the second wasm then runs with glue that is its own. The
+// pairing it checks: the shims in the order of their indices (the code's order, which target
+// features do not change; each pair of the same wasm type), and each cast with the first
+// build's cast of the same descriptor calling the paired shim (of the same wasm type). Fails,
+// changing nothing, when anything differs or a renamed export or import would collide.
 import { readFileSync, writeFileSync } from "node:fs";
+import { pathToFileURL } from "node:url";
 
-const [firstJs, secondJs, secondWasm] = process.argv.slice(2);
-if (!secondWasm) {
-  console.error("usage: node scripts/align-exports.mjs FIRST.js SECOND.js SECOND_bg.wasm");
-  process.exit(2);
-}
 const fail = (message) => {
-  console.error(`align-exports: ${message}`);
-  process.exit(1);
+  throw new Error(`align-exports: ${message}`);
 };
 
-// The glue without comment lines (a closure's shim index appears in one and differs).
-const code = (path) => readFileSync(path, "utf8").split("\n").filter((l) => !/^\s*\/\//.test(l));
-const [a, b] = [code(firstJs), code(secondJs)];
-if (a.length !== b.length) fail(`${secondJs} has ${b.length} lines of code, ${firstJs} ${a.length}`);
-const NAME = /__wasm_bindgen_func_elem_\d+/g;
-const rename = new Map(); // second build's export name -> first build's
-for (let i = 0; i < a.length; i++) {
-  if (a[i] === b[i]) continue;
-  const [na, nb] = [a[i].match(NAME) || [], b[i].match(NAME) || []];
-  if (na.length !== nb.length || a[i].replace(NAME, "#") !== b[i].replace(NAME, "#")) {
-    fail(`the glue differs beyond function-index names at code line ${i + 1}:\n  ${a[i]}\n  ${b[i]}`);
+const SHIM = /__wasm_bindgen_func_elem_(\d+)/g;
+const CAST = /__wbindgen_generic_\w+/g;
+
+/** The glue without comment lines; its casts and shim wrappers as blocks, each a marker line. */
+function readGlue(path) {
+  const lines = readFileSync(path, "utf8").split("\n");
+  const rest = [];
+  const casts = new Map(); // cast name -> its block, with its descriptor comment
+  const wrappers = [];
+  for (let i = 0; i < lines.length; i++) {
+    const cast = lines[i].match(/^(\s+)(__wbindgen_generic_\w+): function\(/);
+    const wrapper = /^function __wasm_bindgen_func_elem_\d+\(/.test(lines[i]);
+    if (!cast && !wrapper) {
+      if (!/^\s*\/\//.test(lines[i])) rest.push(lines[i]);
+      continue;
+    }
+    const end = cast ? `${cast[1]}},` : "}";
+    let j = i;
+    while (j < lines.length && lines[j] !== end) j++;
+    if (j === lines.length) fail(`${path}: no "${end}" closes line ${i + 1}: ${lines[i]}`);
+    const block = lines.slice(i, j + 1).join("\n");
+    if (cast) casts.set(cast[2], block);
+    else wrappers.push(block);
+    rest.push(cast ? "@cast" : "@wrapper");
+    i = j;
   }
-  nb.forEach((name, j) => {
-    if (rename.has(name) && rename.get(name) !== na[j]) fail(`${name} maps to both ${rename.get(name)} and ${na[j]}`);
-    rename.set(name, na[j]);
-  });
+  const shims = [...new Set([...lines.join("\n").matchAll(SHIM)].map((m) => m[0]))];
+  shims.sort((x, y) => Number(x.match(/\d+$/)[0]) - Number(y.match(/\d+$/)[0]));
+  return { rest, casts, wrappers, shims };
 }
 
-// The wasm's sections; the export section (id 7) rewritten.
-const wasm = readFileSync(secondWasm);
 const uleb = (bytes, at) => {
   let value = 0;
   let shift = 0;
@@ -64,42 +72,185 @@ const toUleb = (value) => {
   } while (value > 0);
   return Buffer.from(out);
 };
-const parts = [wasm.subarray(0, 8)];
-let renamed = 0;
-for (let at = 8; at < wasm.length; ) {
-  const id = wasm[at];
-  const [size, start] = uleb(wasm, at + 1);
-  const end = start + size;
-  if (id !== 7) {
-    parts.push(wasm.subarray(at, end));
-    at = end;
-    continue;
-  }
-  let [count, p] = uleb(wasm, start);
-  const entries = [toUleb(count)];
-  const names = new Set();
-  for (let e = 0; e < count; e++) {
-    const [length, from] = uleb(wasm, p);
-    let name = wasm.subarray(from, from + length).toString("utf8");
-    p = from + length;
-    const kind = wasm[p];
-    const [, after] = uleb(wasm, p + 1);
-    const tail = wasm.subarray(p, after); // kind and index, as they were
-    p = after;
-    if (rename.has(name)) {
-      name = rename.get(name);
-      renamed++;
+
+/** The sections of a wasm and the type (its bytes, as hex) of each imported and exported
+ * function, by name. Only what wasm-bindgen's output holds: function types of plain value types. */
+function readWasm(path) {
+  const bytes = readFileSync(path);
+  const sections = [];
+  const types = [];
+  const funcTypes = []; // function index -> type index, imports first
+  const imports = new Map(); // name -> type
+  const exportIndex = new Map(); // function export name -> function index
+  for (let at = 8; at < bytes.length; ) {
+    const id = bytes[at];
+    const [size, start] = uleb(bytes, at + 1);
+    sections.push({ id, bytes: bytes.subarray(at, start + size), start, end: start + size });
+    at = start + size;
+    let [count, p] = [0, start];
+    if ([1, 2, 3, 7].includes(id)) [count, p] = uleb(bytes, start);
+    for (let e = 0; e < count; e++) {
+      if (id === 1) {
+        if (bytes[p] !== 0x60) fail(`${path}: type ${e} is not a plain function type`);
+        const from = p;
+        let n;
+        [n, p] = uleb(bytes, p + 1);
+        [n, p] = uleb(bytes, p + n);
+        p += n;
+        types.push(bytes.subarray(from, p).toString("hex"));
+      } else if (id === 2) {
+        let [n, q] = uleb(bytes, p);
+        [n, q] = uleb(bytes, q + n);
+        const name = bytes.subarray(q, q + n).toString("utf8");
+        p = q + n;
+        const kind = bytes[p++];
+        if (kind === 0) {
+          let type;
+          [type, p] = uleb(bytes, p);
+          imports.set(name, types[type]);
+          funcTypes.push(type);
+        } else if (kind === 1 || kind === 2) {
+          if (kind === 1) p++; // the table's reference type
+          const flags = bytes[p++];
+          [, p] = uleb(bytes, p);
+          if (flags & 1) [, p] = uleb(bytes, p);
+        } else if (kind === 3) {
+          p += 2; // value type, mutability
+        } else fail(`${path}: import ${name} is of kind ${kind}, which this script does not read`);
+      } else if (id === 3) {
+        let type;
+        [type, p] = uleb(bytes, p);
+        funcTypes.push(type);
+      } else if (id === 7) {
+        let n;
+        [n, p] = uleb(bytes, p);
+        const name = bytes.subarray(p, p + n).toString("utf8");
+        const kind = bytes[p + n];
+        let index;
+        [index, p] = uleb(bytes, p + n + 1);
+        if (kind === 0) exportIndex.set(name, index);
+      }
     }
-    if (names.has(name)) fail(`two exports named ${name} after renaming (kind ${kind})`);
-    names.add(name);
-    const bytes = Buffer.from(name, "utf8");
-    entries.push(toUleb(bytes.length), bytes, tail);
   }
-  if (p !== end) fail("the export section has bytes after its entries");
-  const content = Buffer.concat(entries);
-  parts.push(Buffer.from([7]), toUleb(content.length), content);
-  at = end;
+  const exports = new Map([...exportIndex].map(([name, f]) => [name, types[funcTypes[f]]]));
+  return { bytes, sections, imports, exports };
 }
-if (renamed !== rename.size) fail(`renamed ${renamed} exports, the glue names ${rename.size}`);
-writeFileSync(secondWasm, Buffer.concat(parts));
-console.log(`align-exports: ${secondWasm}: ${renamed} exports renamed to ${firstJs}'s names`);
+
+/** The wasm with its import (2) and export (7) sections' names renamed. */
+function renameWasm(wasm, importNames, exportNames) {
+  const parts = [wasm.bytes.subarray(0, 8)];
+  for (const section of wasm.sections) {
+    if (section.id !== 2 && section.id !== 7) {
+      parts.push(section.bytes);
+      continue;
+    }
+    const { bytes } = wasm;
+    let [count, p] = uleb(bytes, section.start);
+    const entries = [toUleb(count)];
+    const seen = new Set();
+    for (let e = 0; e < count; e++) {
+      let moduleName = Buffer.alloc(0);
+      if (section.id === 2) {
+        const [n, q] = uleb(bytes, p);
+        moduleName = bytes.subarray(p, q + n);
+        p = q + n;
+      }
+      const [n, from] = uleb(bytes, p);
+      let name = bytes.subarray(from, from + n).toString("utf8");
+      p = from + n;
+      const tailStart = p;
+      const kind = bytes[p++];
+      if (section.id === 7 || kind === 0) [, p] = uleb(bytes, p);
+      else if (kind === 3) p += 2;
+      else {
+        if (kind === 1) p++;
+        const flags = bytes[p++];
+        [, p] = uleb(bytes, p);
+        if (flags & 1) [, p] = uleb(bytes, p);
+      }
+      const names = section.id === 2 ? importNames : exportNames;
+      if (kind === 0 && names.has(name)) name = names.get(name);
+      const key = section.id === 2 ? `${moduleName.toString("hex")} ${name}` : name;
+      if (seen.has(key)) fail(`two ${section.id === 2 ? "imports" : "exports"} named ${name} after renaming`);
+      seen.add(key);
+      const nameBytes = Buffer.from(name, "utf8");
+      entries.push(moduleName, toUleb(nameBytes.length), nameBytes, bytes.subarray(tailStart, p));
+    }
+    if (p !== section.end) fail(`section ${section.id} has bytes after its entries`);
+    const content = Buffer.concat(entries);
+    parts.push(Buffer.from([section.id]), toUleb(content.length), content);
+  }
+  return Buffer.concat(parts);
+}
+
+/** Replaces the names in `text` by `names` (an unknown name stays). */
+const renamed = (text, pattern, names) => text.replace(pattern, (name) => names.get(name) ?? name);
+
+export function align(firstJs, firstWasm, secondJs, secondWasm) {
+  const [a, b] = [readGlue(firstJs), readGlue(secondJs)];
+  const [wa, wb] = [readWasm(firstWasm), readWasm(secondWasm)];
+
+  // The shims, in the order of their indices.
+  if (a.shims.length !== b.shims.length) {
+    fail(`${secondJs} calls ${b.shims.length} closure shims, ${firstJs} ${a.shims.length}`);
+  }
+  const shims = new Map(b.shims.map((name, i) => [name, a.shims[i]]));
+  for (const [nb, na] of shims) {
+    const [ta, tb] = [wa.exports.get(na), wb.exports.get(nb)];
+    if (!ta || !tb) fail(`${ta ? secondWasm : firstWasm} exports no function ${ta ? nb : na}`);
+    if (ta !== tb) fail(`the shims ${na} and ${nb}, paired by their order, differ in type`);
+  }
+
+  // The casts: by descriptor (its shim's index aside) and body, with the paired shims' names.
+  const castKey = (block) => block.replace(/shim_idx: \d+/g, "shim_idx: #").replace(CAST, "#");
+  const byKey = new Map();
+  for (const [name, block] of a.casts) {
+    const key = castKey(block);
+    if (byKey.has(key)) fail(`${firstJs}: the casts ${byKey.get(key)} and ${name} are the same`);
+    byKey.set(key, name);
+  }
+  const casts = new Map();
+  for (const [name, block] of b.casts) {
+    const match = byKey.get(castKey(renamed(block, SHIM, shims)));
+    if (!match) fail(`${secondJs}: ${name} has no counterpart in ${firstJs}:\n${block}`);
+    if ([...casts.values()].includes(match)) fail(`${firstJs}: ${match} pairs with two casts`);
+    const [ta, tb] = [wa.imports.get(match), wb.imports.get(name)];
+    if (!ta || !tb) fail(`${ta ? secondWasm : firstWasm} imports no function ${ta ? name : match}`);
+    if (ta !== tb) fail(`the casts ${match} and ${name} differ in wasm type`);
+    casts.set(name, match);
+  }
+  if (casts.size !== a.casts.size) fail(`${secondJs} has ${b.casts.size} casts, ${firstJs} ${a.casts.size}`);
+
+  // The glue, renamed, must be the first build's.
+  const rename = (text) => renamed(renamed(text, SHIM, shims), CAST, casts);
+  const strip = (block) => block.split("\n").filter((l) => !/^\s*\/\//.test(l)).join("\n");
+  const restB = b.rest.map(rename);
+  if (restB.length !== a.rest.length) fail(`${secondJs} has ${restB.length} lines of code, ${firstJs} ${a.rest.length}`);
+  restB.forEach((line, i) => {
+    if (line !== a.rest[i]) fail(`the glue differs at code line ${i + 1}:\n  ${a.rest[i]}\n  ${line}`);
+  });
+  const blocks = (glue, f) => [...glue.casts.values(), ...glue.wrappers].map((x) => strip(f(x))).sort();
+  const [blocksA, blocksB] = [blocks(a, (x) => x), blocks(b, rename)];
+  blocksB.forEach((block, i) => {
+    if (block !== blocksA[i]) fail(`the glue's casts or shim wrappers differ:\n${blocksA[i]}\n${block}`);
+  });
+
+  writeFileSync(secondWasm, renameWasm(wb, casts, shims));
+  const moved = (map) => [...map].filter(([x, y]) => x !== y).length;
+  return { shims: moved(shims), casts: moved(casts) };
+}
+
+if (import.meta.url === pathToFileURL(process.argv[1]).href) {
+  const args = process.argv.slice(2);
+  if (args.length !== 4) {
+    console.error("usage: node scripts/align-exports.mjs FIRST.js FIRST_bg.wasm SECOND.js SECOND_bg.wasm");
+    process.exit(2);
+  }
+  try {
+    const { shims, casts } = align(...args);
+    console.log(`align-exports: ${args[3]}: ${shims} shim exports and ${casts} cast imports renamed`);
+  } catch (e) {
+    console.error(e.message);
+    process.exit(1);
+  }
+}

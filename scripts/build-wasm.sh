@@ -30,8 +30,9 @@ done
 # folder is PROFILE, as OUT/onnx_generate_bg_relaxed.wasm.
 # The package's init() loads it where the engine validates relaxed SIMD (Chromium, Node 22 and
 # later) and the plain one elsewhere (an engine without relaxed SIMD rejects the whole module).
-# Both run with OUT's glue: the exports that wasm-bindgen names after a function's index take
-# OUT's names (scripts/align-exports.mjs, which fails if the two glue files differ otherwise).
+# Both run with OUT's glue: the closure shims and casts, which wasm-bindgen names after numbers
+# that differ between the builds, take OUT's names (scripts/align-exports.mjs, which fails if
+# the two glue files differ otherwise).
 add_relaxed() {
   relaxed_out=$1
   relaxed_dir=$2
@@ -43,7 +44,8 @@ add_relaxed() {
   wasm-bindgen --target web --out-dir "$relaxed_tmp" --out-name onnx_generate \
     "$relaxed_dir/wasm32-unknown-unknown/$relaxed_profile/onnx_generate.wasm"
   if ! node scripts/align-exports.mjs "$relaxed_out/onnx_generate.js" \
-    "$relaxed_tmp/onnx_generate.js" "$relaxed_tmp/onnx_generate_bg.wasm"; then
+    "$relaxed_out/onnx_generate_bg.wasm" "$relaxed_tmp/onnx_generate.js" \
+    "$relaxed_tmp/onnx_generate_bg.wasm"; then
     rm -rf "$relaxed_tmp"
     exit 1
   fi

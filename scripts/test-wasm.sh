@@ -1,7 +1,9 @@
 #!/bin/sh
 # The wasm test sequence (CI calls it from .ci/run):
 #   1. the package pkg/ (+simd128; scripts/build-wasm.sh), each of its two wasm files at most
-#      3 MB (3,000,000 bytes) gzipped;
+#      3 MB (3,000,000 bytes) gzipped; before it, the script that lets the relaxed SIMD wasm
+#      run with the plain build's glue, on modules written by its test
+#      (js-tests/align-exports.test.mjs);
 #   2. the JavaScript API tests (tests/wasm_api) in Node and in headless Chromium, each run
 #      failing if it executed no test; built in release (every crate at opt-level 3) with the
 #      same target features; in Node again on the relaxed SIMD build
@@ -60,6 +62,12 @@ if node --experimental-wasm-relaxed-simd -e 0 >/dev/null 2>&1; then
   relaxed_node_flag=--experimental-wasm-relaxed-simd
 fi
 
+node --test js-tests/align-exports.test.mjs >"$logs/align-exports.log" 2>&1 || {
+  cat "$logs/align-exports.log"
+  echo "test-wasm: js-tests/align-exports.test.mjs FAILED" >&2
+  exit 1
+}
+echo "test-wasm: align-exports tests passed"
 if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f pkg/onnx_generate_bg.wasm ]; then
   sh scripts/build-wasm.sh
 fi
