@@ -139,9 +139,8 @@ pub fn scale_and_zero(x: &[f32]) -> (f32, u8) {
         max = if v > max { v } else { max };
     }
     let scale = (max - min) / 255.0;
-    // All zeros: 0 / 0 is NaN, which f32::max turns into 0.
-    #[allow(clippy::manual_clamp)]
-    let zero = (-min / scale).round_ties_even().max(0.0).min(255.0) as u8;
+    // All zeros: 0 / 0 is NaN, which the cast turns into 0 (as tract's f32::max does).
+    let zero = (-min / scale).round_ties_even().clamp(0.0, 255.0) as u8;
     (scale, zero)
 }
 
