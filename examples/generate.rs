@@ -68,7 +68,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut first: Option<Instant> = None;
     let mut count = 0usize;
     let t1 = Instant::now();
-    let out = model.generate(&[ids.clone()], &options, |event| {
+    let out = model.generate(std::slice::from_ref(&ids), &options, |event| {
         first.get_or_insert_with(Instant::now);
         count += 1;
         print!("{}", event.text);

@@ -27,7 +27,7 @@ fn load_error(name: &str, edit: impl FnOnce(&mut pb::NodeProto)) -> String {
     let result = ops::onnx()
         .model_for_proto_model(&model)
         .and_then(|m| m.into_optimized());
-    format!("{:?}", result.err().expect("the altered graph loaded"))
+    format!("{:?}", result.expect_err("the altered graph loaded"))
 }
 
 fn set_int(node: &mut pb::NodeProto, attr: &str, value: i64) {

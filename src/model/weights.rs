@@ -596,7 +596,7 @@ fn cast_node(name: &str, input: &str, output: &str) -> pb::NodeProto {
 /// The f16 values of a float16 tensor (`raw_data`, or `int32_data` holding the bits).
 pub fn f16_bits(t: &pb::TensorProto) -> Result<Vec<u16>> {
     if !t.raw_data.is_empty() {
-        if t.raw_data.len() % 2 != 0 {
+        if !t.raw_data.len().is_multiple_of(2) {
             return Err(Error::Model(format!(
                 "float16 tensor `{}` has {} bytes, an odd number",
                 t.name,

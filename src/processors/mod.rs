@@ -260,13 +260,13 @@ pub fn rows_per_prompt(config: &GenerationConfig) -> usize {
 /// phrased for this API. Sampling options are checked only with `do_sample` (transformers only
 /// warns about them otherwise, and model files often carry them).
 pub fn validate(config: &GenerationConfig, vocab: usize) -> Result<()> {
-    if !(config.repetition_penalty > 0.0) {
+    if config.repetition_penalty.is_nan() || config.repetition_penalty <= 0.0 {
         return invalid!(
             "`repetition_penalty` must be a strictly positive number, got {}",
             config.repetition_penalty
         );
     }
-    if !(config.encoder_repetition_penalty > 0.0) {
+    if config.encoder_repetition_penalty.is_nan() || config.encoder_repetition_penalty <= 0.0 {
         return invalid!(
             "`encoder_repetition_penalty` must be a strictly positive number, got {}",
             config.encoder_repetition_penalty
@@ -326,7 +326,7 @@ pub fn validate(config: &GenerationConfig, vocab: usize) -> Result<()> {
         }
     }
     if config.do_sample {
-        if !(config.temperature > 0.0) {
+        if config.temperature.is_nan() || config.temperature <= 0.0 {
             let hint = if config.temperature == 0.0 {
                 " (for greedy decoding, set `do_sample` to false)"
             } else {
@@ -396,11 +396,13 @@ mod tests {
             c.temperature = 0.0;
         }));
         assert!(m.contains("temperature") && m.contains("do_sample"), "{m}");
-        let m = err(config(|c| {
-            c.do_sample = true;
-            c.temperature = -1.0;
-        }));
-        assert!(m.contains("temperature"), "{m}");
+        for t in [-1.0, f32::NAN] {
+            let m = err(config(|c| {
+                c.do_sample = true;
+                c.temperature = t;
+            }));
+            assert!(m.contains("temperature"), "{m}");
+        }
         for top_p in [0.0, -0.5, 1.5] {
             let m = err(config(|c| {
                 c.do_sample = true;
@@ -408,9 +410,11 @@ mod tests {
             }));
             assert!(m.contains("top_p"), "{m}");
         }
-        for penalty in [0.0, -1.0] {
+        for penalty in [0.0, -1.0, f32::NAN] {
             let m = err(config(|c| c.repetition_penalty = penalty));
             assert!(m.contains("repetition_penalty"), "{m}");
+            let m = err(config(|c| c.encoder_repetition_penalty = penalty));
+            assert!(m.contains("encoder_repetition_penalty"), "{m}");
         }
         let m = err(config(|c| {
             c.bad_words_ids = Some(vec![vec![3], vec![4, 10]])

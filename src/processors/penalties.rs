@@ -33,7 +33,7 @@ pub struct RepetitionPenalty {
 
 impl RepetitionPenalty {
     pub fn new(penalty: f32) -> Result<Self> {
-        if !(penalty > 0.0) {
+        if penalty.is_nan() || penalty <= 0.0 {
             return invalid!(
                 "`repetition_penalty` must be a strictly positive number, got {penalty}"
             );
@@ -71,7 +71,7 @@ impl EncoderRepetitionPenalty {
         encoder_ids: Option<Vec<Vec<u32>>>,
         per_prompt: usize,
     ) -> Result<Self> {
-        if !(penalty > 0.0) {
+        if penalty.is_nan() || penalty <= 0.0 {
             return invalid!(
                 "`encoder_repetition_penalty` must be a strictly positive number, got {penalty}"
             );

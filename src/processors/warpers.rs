@@ -56,7 +56,7 @@ pub struct Temperature {
 
 impl Temperature {
     pub fn new(t: f32) -> Result<Self> {
-        if !(t > 0.0) {
+        if t.is_nan() || t <= 0.0 {
             return invalid!("`temperature` must be strictly positive when sampling, got {t}");
         }
         Ok(Temperature { t })

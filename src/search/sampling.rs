@@ -47,7 +47,7 @@ impl Sampler {
             .ok_or_else(|| Error::InvalidInput(format!("no sampling generator for row {row}")))?;
         softmax_into(scores, &mut self.probs);
         let total: f64 = self.probs.iter().map(|&p| p as f64).sum();
-        if !(total > 0.0) {
+        if total.is_nan() || total <= 0.0 {
             return invalid!(
                 "every token of row {row} has probability zero after the processors: nothing \
                  can be sampled"

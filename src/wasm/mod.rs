@@ -414,7 +414,7 @@ fn describe(v: &JsValue) -> String {
     }
     match JSON::stringify(v).ok().and_then(|s| s.as_string()) {
         Some(s) => s.chars().take(60).collect(),
-        None => format!("{}", v.js_typeof().as_string().unwrap_or_default()),
+        None => v.js_typeof().as_string().unwrap_or_default(),
     }
 }
 

@@ -415,7 +415,7 @@ fn run_distribution(model: &Model, case: &Value) -> Outcome {
             };
             let got = probs.get(t as usize).copied().unwrap_or(f32::NAN);
             let diff = (got - want as f32).abs();
-            if !(diff <= PROBABILITY_TOLERANCE) {
+            if diff.is_nan() || diff > PROBABILITY_TOLERANCE {
                 problems.push(format!(
                     "step {k}: token {t} probability {got}, expected {want} (diff {diff})"
                 ));

@@ -90,7 +90,11 @@ pub fn check_q4_decode() {
             let (mut want, mut bound, mut magnitude) = (0f64, 0f64, 0f64);
             for (i, x) in a.iter().enumerate() {
                 let byte = b[(col * blocks + i / bs) * bs / 2 + (i % bs) / 2];
-                let q = if i % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
+                let q = if i.is_multiple_of(2) {
+                    byte & 15
+                } else {
+                    byte >> 4
+                } as f64;
                 let w = (q - zero(col, i / bs)) * scales[col * blocks + i / bs] as f64;
                 want += w * *x as f64;
                 magnitude += (w * *x as f64).abs();
@@ -147,7 +151,11 @@ fn q4_reference(
                         .map(|e| {
                             let i = g * 32 + e;
                             let byte = b[(col * blocks + blk) * bs / 2 + (i % bs) / 2];
-                            let q = if i % 2 == 0 { byte & 15 } else { byte >> 4 };
+                            let q = if i.is_multiple_of(2) {
+                                byte & 15
+                            } else {
+                                byte >> 4
+                            };
                             (q as i32 - zero(col, blk)) * xq[e]
                         })
                         .sum();
@@ -214,7 +222,7 @@ pub fn check_prompt() {
             let blk = i / bs;
             let q = if bits == 4 {
                 let byte = b[(col * blocks + blk) * blob + (i % bs) / 2];
-                if i % 2 == 0 {
+                if i.is_multiple_of(2) {
                     byte & 15
                 } else {
                     byte >> 4

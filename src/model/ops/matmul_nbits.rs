@@ -880,7 +880,7 @@ mod kernels {
         zero: impl Fn(usize) -> u8,
     ) -> f32 {
         let blocks = src.len() / (bs / 2);
-        assert!(blocks * bs <= x.len() && blocks <= scales.len() && bs % GROUP == 0);
+        assert!(blocks * bs <= x.len() && blocks <= scales.len() && bs.is_multiple_of(GROUP));
         let groups = bs / GROUP;
         let mask = u8x16_splat(0x0f);
         let mut total = [f32x4_splat(0.0); 4];
