@@ -73,19 +73,22 @@ const toUleb = (value) => {
   return Buffer.from(out);
 };
 
-/** The sections of a wasm and the type (its bytes, as hex) of each imported and exported
- * function, by name. Only what wasm-bindgen's output holds: function types of plain value types. */
+/** The sections of a wasm, the entries of its import (2) and export (7) sections, and the type
+ * (its bytes, as hex) of each imported and exported function, by name. Only what wasm-bindgen's
+ * output holds: function types of plain value types; imports of functions, tables, memories and
+ * globals. */
 function readWasm(path) {
   const bytes = readFileSync(path);
   const sections = [];
   const types = [];
   const funcTypes = []; // function index -> type index, imports first
-  const imports = new Map(); // name -> type
+  const imports = new Map(); // function import name -> type
   const exportIndex = new Map(); // function export name -> function index
   for (let at = 8; at < bytes.length; ) {
     const id = bytes[at];
     const [size, start] = uleb(bytes, at + 1);
-    sections.push({ id, bytes: bytes.subarray(at, start + size), start, end: start + size });
+    const section = { id, bytes: bytes.subarray(at, start + size), entries: [] };
+    sections.push(section);
     at = start + size;
     let [count, p] = [0, start];
     if ([1, 2, 3, 7].includes(id)) [count, p] = uleb(bytes, start);
@@ -98,45 +101,48 @@ function readWasm(path) {
         [n, p] = uleb(bytes, p + n);
         p += n;
         types.push(bytes.subarray(from, p).toString("hex"));
-      } else if (id === 2) {
-        let [n, q] = uleb(bytes, p);
-        [n, q] = uleb(bytes, q + n);
-        const name = bytes.subarray(q, q + n).toString("utf8");
-        p = q + n;
-        const kind = bytes[p++];
-        if (kind === 0) {
-          let type;
-          [type, p] = uleb(bytes, p);
-          imports.set(name, types[type]);
-          funcTypes.push(type);
-        } else if (kind === 1 || kind === 2) {
-          if (kind === 1) p++; // the table's reference type
-          const flags = bytes[p++];
-          [, p] = uleb(bytes, p);
-          if (flags & 1) [, p] = uleb(bytes, p);
-        } else if (kind === 3) {
-          p += 2; // value type, mutability
-        } else fail(`${path}: import ${name} is of kind ${kind}, which this script does not read`);
       } else if (id === 3) {
         let type;
         [type, p] = uleb(bytes, p);
         funcTypes.push(type);
-      } else if (id === 7) {
-        let n;
-        [n, p] = uleb(bytes, p);
-        const name = bytes.subarray(p, p + n).toString("utf8");
-        const kind = bytes[p + n];
+      } else if (id === 2 || id === 7) {
+        // An import: module name, name, kind, description; an export: name, kind, index.
+        let moduleName = Buffer.alloc(0);
+        if (id === 2) {
+          const [n, q] = uleb(bytes, p);
+          moduleName = bytes.subarray(p, q + n);
+          p = q + n;
+        }
+        const [n, from] = uleb(bytes, p);
+        const name = bytes.subarray(from, from + n).toString("utf8");
+        p = from + n;
+        const tailStart = p;
+        const kind = bytes[p++];
         let index;
-        [index, p] = uleb(bytes, p + n + 1);
-        if (kind === 0) exportIndex.set(name, index);
+        if (id === 7 || kind === 0) [index, p] = uleb(bytes, p);
+        else if (kind === 1 || kind === 2) {
+          if (kind === 1) p++; // the table's reference type
+          const flags = bytes[p++];
+          [, p] = uleb(bytes, p);
+          if (flags & 1) [, p] = uleb(bytes, p);
+        } else if (kind === 3) p += 2; // value type, mutability
+        else fail(`${path}: import ${name} is of kind ${kind}, which this script does not read`);
+        section.entries.push({ moduleName, name, kind, tail: bytes.subarray(tailStart, p) });
+        if (id === 2 && kind === 0) {
+          imports.set(name, types[index]);
+          funcTypes.push(index);
+        }
+        if (id === 7 && kind === 0) exportIndex.set(name, index);
       }
     }
+    if ([1, 2, 3, 7].includes(id) && p !== at) fail(`${path}: section ${id} has bytes after its entries`);
   }
   const exports = new Map([...exportIndex].map(([name, f]) => [name, types[funcTypes[f]]]));
   return { bytes, sections, imports, exports };
 }
 
-/** The wasm with its import (2) and export (7) sections' names renamed. */
+/** The wasm with the names of its imported (`importNames`) and exported (`exportNames`)
+ * functions replaced. */
 function renameWasm(wasm, importNames, exportNames) {
   const parts = [wasm.bytes.subarray(0, 8)];
   for (const section of wasm.sections) {
@@ -144,39 +150,17 @@ function renameWasm(wasm, importNames, exportNames) {
       parts.push(section.bytes);
       continue;
     }
-    const { bytes } = wasm;
-    let [count, p] = uleb(bytes, section.start);
-    const entries = [toUleb(count)];
+    const names = section.id === 2 ? importNames : exportNames;
     const seen = new Set();
-    for (let e = 0; e < count; e++) {
-      let moduleName = Buffer.alloc(0);
-      if (section.id === 2) {
-        const [n, q] = uleb(bytes, p);
-        moduleName = bytes.subarray(p, q + n);
-        p = q + n;
-      }
-      const [n, from] = uleb(bytes, p);
-      let name = bytes.subarray(from, from + n).toString("utf8");
-      p = from + n;
-      const tailStart = p;
-      const kind = bytes[p++];
-      if (section.id === 7 || kind === 0) [, p] = uleb(bytes, p);
-      else if (kind === 3) p += 2;
-      else {
-        if (kind === 1) p++;
-        const flags = bytes[p++];
-        [, p] = uleb(bytes, p);
-        if (flags & 1) [, p] = uleb(bytes, p);
-      }
-      const names = section.id === 2 ? importNames : exportNames;
-      if (kind === 0 && names.has(name)) name = names.get(name);
-      const key = section.id === 2 ? `${moduleName.toString("hex")} ${name}` : name;
-      if (seen.has(key)) fail(`two ${section.id === 2 ? "imports" : "exports"} named ${name} after renaming`);
+    const entries = [toUleb(section.entries.length)];
+    for (const { moduleName, name, kind, tail } of section.entries) {
+      const renamed = kind === 0 ? (names.get(name) ?? name) : name;
+      const key = section.id === 2 ? `${moduleName.toString("hex")} ${renamed}` : renamed;
+      if (seen.has(key)) fail(`two ${section.id === 2 ? "imports" : "exports"} named ${renamed} after renaming`);
       seen.add(key);
-      const nameBytes = Buffer.from(name, "utf8");
-      entries.push(moduleName, toUleb(nameBytes.length), nameBytes, bytes.subarray(tailStart, p));
+      const nameBytes = Buffer.from(renamed, "utf8");
+      entries.push(moduleName, toUleb(nameBytes.length), nameBytes, tail);
     }
-    if (p !== section.end) fail(`section ${section.id} has bytes after its entries`);
     const content = Buffer.concat(entries);
     parts.push(Buffer.from([section.id]), toUleb(content.length), content);
   }
