@@ -118,7 +118,7 @@ impl EvalOp for DqlOp {
 }
 
 /// The scale and zero point of `x`'s range extended to include 0 (NaN ignored).
-pub fn scale_and_zero(x: &[f32]) -> (f32, u8) {
+fn scale_and_zero(x: &[f32]) -> (f32, u8) {
     // Eight independent minima and maxima (a select each, which LLVM vectorizes), combined at
     // the end: the same extremes as one pass, since min and max do not depend on the order.
     let mut lo = [0f32; 8];
@@ -146,7 +146,7 @@ pub fn scale_and_zero(x: &[f32]) -> (f32, u8) {
 
 /// `y = clamp(round_half_even(x / scale) + zero, 0, 255)`; NaN (and a zero scale's 0 / 0)
 /// quantizes to 0 + `zero`.
-pub fn quantize(x: &[f32], scale: f32, zero: u8, y: &mut [u8]) {
+fn quantize(x: &[f32], scale: f32, zero: u8, y: &mut [u8]) {
     let zero = zero as i32;
     for (y, &x) in y.iter_mut().zip(x) {
         *y = (((x / scale).round_ties_even() as i32) + zero).clamp(0, 255) as u8;
