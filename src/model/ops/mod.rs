@@ -8,8 +8,8 @@
 //! again here with tract's arithmetic (`dynamic_quantize`: for speed in the size-optimised
 //! package). `tract_builtins.rs` checks them against onnxruntime like the ops written here.
 //! `conv1d` takes the ONNX `Conv`s of one dimension with float32 weights (Whisper's encoder)
-//! from tract. `binary` replaces tract's generic float arithmetic in compiled plans; `linalg`
-//! and `parallel` are the kernels' shared parts.
+//! from tract. `binary` replaces tract's generic float arithmetic in compiled plans and
+//! `nan_guard` the softmaxes' NaN guards; `linalg` and `parallel` are the kernels' shared parts.
 
 pub mod attention;
 pub mod binary;
@@ -22,6 +22,7 @@ pub mod matmul_integer;
 pub mod matmul_nbits;
 pub mod matmul_runtime;
 pub mod matmul_weights;
+pub mod nan_guard;
 pub mod parallel;
 pub mod tract_builtins;
 
