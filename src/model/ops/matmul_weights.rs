@@ -21,7 +21,7 @@ use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
     axpy_rows, axpy_rows_f16, dot, dot4, dot4_panel, dot4x2, dot4x2_panel, dot_panel,
-    f16_is_special, f16_to_f32_slice, matvec_f16_nk,
+    f16_is_special, f16_to_f32_slice, matvec_f16_nk, touch,
 };
 use super::{initializer_dims, matmul_output_fact, node_label};
 
@@ -361,6 +361,13 @@ fn columns_nk(
         // A whole panel when `panels` (the rows past the last one lie as rows).
         let in_panel = panels && count == COLS;
         let range = first * k..(first + count) * k;
+        if row_range.len() >= 4 {
+            // Several rows read these weights: in from memory first, many lines at a time.
+            match w {
+                W::F32(w) => touch(&w[range.clone()]),
+                W::F16(w) => touch(&w[range.clone()]),
+            }
+        }
         let four: &[f32] = match w {
             W::F32(w) => &w[range],
             W::F16(_) => {
