@@ -120,6 +120,26 @@ pub fn touch<T: Copy>(values: &[T]) {
     }
 }
 
+/// How far past a decoding kernel's reads [`touch_ahead`] reads: 2 KB, 32 cache lines.
+const AHEAD_BYTES: usize = 2048;
+
+/// Reads the value [`AHEAD_BYTES`] past `values[at]` (the last value where that is past the
+/// end). A decoding kernel that streams its weights from memory calls it once or twice per
+/// cache line it reads, with `at` where it reads, so that each line is on its way well before
+/// the kernel needs it. Its own loads run only a dozen iterations ahead of its arithmetic, and
+/// where that arithmetic is long per byte the prefetcher alone leaves the memory's latency
+/// showing. In Node (a build with names, alternating runs, medians of 48 tokens) int8 SmolLM2
+/// decoded in 31.3 ms a token against 33.8 ms without (0.5 to 8 KB ahead: 30.7 to 31.6 ms),
+/// fp16 in 59.2 ms against 64.2. fp32's panels and `lm_head` and q4's kernel did not gain.
+#[inline(always)]
+pub fn touch_ahead<T: Copy>(values: &[T], at: usize) {
+    let i = (at + AHEAD_BYTES / std::mem::size_of::<T>()).min(values.len().saturating_sub(1));
+    if let Some(v) = values.get(i) {
+        // SAFETY: `v` refers to a value of the slice; the read is only there to be made.
+        unsafe { std::ptr::read_volatile(v) };
+    }
+}
+
 /// [`dot4`] of the four rows of a panel (`4 * x.len()` values in the panel layout).
 pub fn dot4_panel(x: &[f32], panel: &[f32]) -> [f32; 4] {
     dot4_rows::<1, true>([x], panel)[0]
@@ -265,13 +285,22 @@ fn scaled_input(x: &[f32]) -> Option<Vec<f32>> {
 /// per output.
 pub fn matvec_f16_nk(x: &[f32], w: &[u16], out: &mut [f32]) {
     let k = x.len();
-    let rows = w.chunks_exact(k).zip(out.iter_mut());
     match scaled_input(x) {
         Some(mut xs) => {
             kernels::order_for_dot_f16(&mut xs);
-            rows.for_each(|(w, o)| *o = kernels::dot_f16_scaled(&xs, w))
+            let rows = w
+                .len()
+                .checked_div(k)
+                .map_or(out.len(), |r| r.min(out.len()));
+            for (j, o) in out[..rows].iter_mut().enumerate() {
+                *o = kernels::dot_f16_scaled(&xs, w, j * k);
+            }
         }
-        None => rows.for_each(|(w, o)| *o = dot_f16_with(x, w, f16_to_f32)),
+        None => {
+            for (w, o) in w.chunks_exact(k).zip(out.iter_mut()) {
+                *o = dot_f16_with(x, w, f16_to_f32);
+            }
+        }
     }
 }
 
@@ -341,8 +370,9 @@ mod kernels {
     /// `x` in the order `dot_f16_scaled` takes it: as it is.
     pub fn order_for_dot_f16(_x: &mut [f32]) {}
 
-    pub fn dot_f16_scaled(x: &[f32], w: &[u16]) -> f32 {
-        dot_f16_with(x, w, f16_scaled)
+    /// `dot_f16_with` of `x` and the row `w[at..at + x.len()]`.
+    pub fn dot_f16_scaled(x: &[f32], w: &[u16], at: usize) -> f32 {
+        dot_f16_with(x, &w[at..at + x.len()], f16_scaled)
     }
 
     pub fn axpy_rows_f16_scaled(x: &[f32], w: &[u16], stride: usize, out: &mut [f32]) {
@@ -502,13 +532,16 @@ mod kernels {
     /// five simd operations, the even ones shifted up and both arithmetic-shifted into place
     /// and masked (`f16_scaled`'s bits), against seven for `load8`'s widening of the low and
     /// high halves. Lane `l` of sum `2h + p` holds the weights `8h + 2l + p` of each chunk of
-    /// sixteen, so the sums are added in the portable kernel's order.
-    pub fn dot_f16_scaled(x: &[f32], w: &[u16]) -> f32 {
-        let len = x.len().min(w.len());
+    /// sixteen, so the sums are added in the portable kernel's order. The row is
+    /// `all[at..at + x.len()]`; the rows after it are read ahead (`touch_ahead`).
+    pub fn dot_f16_scaled(x: &[f32], all: &[u16], at: usize) -> f32 {
+        let w = &all[at..at + x.len()];
+        let len = x.len();
         let chunks = len / 16;
         let mask = u32x4_splat(0x8fff_e000);
         let mut acc = [f32x4_splat(0.0); 4];
         for c in 0..chunks {
+            super::touch_ahead(all, at + 16 * c);
             // SAFETY: chunk c covers x[16c..16c+16] and w[16c..16c+16], within `len`;
             // v128_load accepts unaligned addresses.
             unsafe {

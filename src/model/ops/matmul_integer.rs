@@ -716,6 +716,8 @@ mod kernels {
 mod kernels {
     use core::arch::wasm32::*;
 
+    use super::super::linalg::touch_ahead;
+
     /// `(a, b)` as one i32: a splat of it is the i16x8 multiplier of a pair of weight rows.
     #[inline(always)]
     fn pair(a: i16, b: i16) -> i32 {
@@ -798,7 +800,8 @@ mod kernels {
     /// 14 simd operations per 32 weights, no sums loaded or stored, where `matvec` takes 20:
     /// in Node, SmolLM2's `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights
     /// streamed from memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time
-    /// was 1268 ms against 1454 (the prompt's widening included).
+    /// was 1268 ms against 1454 (the prompt's widening included). The blocks after the
+    /// current one are read ahead (`touch_ahead`).
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
         for (b, o) in out.chunks_exact_mut(16).enumerate() {
@@ -808,6 +811,7 @@ mod kernels {
             unsafe {
                 let p = w.as_ptr().add(16 * k * b);
                 for q in 0..k / 4 {
+                    touch_ahead(w, 16 * k * b + 64 * q);
                     let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
                     for j in 0..4 {
                         let (lo, hi) =
