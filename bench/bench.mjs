@@ -348,7 +348,9 @@ try {
                   (model.speech
                     ? `transcription ${(r.transcribe_ms / 1000).toFixed(2)} s of ${r.audio_s.toFixed(2)} s (RTF ${r.rtf.toFixed(3)}), `
                     : "") +
-                  `first token ${(r.ttft_ms / 1000).toFixed(2)} s, decode ${r.decode_tps?.toFixed(2)} tok/s, ` +
+                  `first token ${(r.ttft_ms / 1000).toFixed(2)} s` +
+                  (r.again_ms ? ` (${(r.again_ms / 1000).toFixed(2)} s again)` : "") +
+                  `, decode ${r.decode_tps?.toFixed(2)} tok/s, ` +
                   `peak ${r.peak_mb.toFixed(0)} MB, ${r.new_tokens} tokens: ${JSON.stringify(r.text.slice(0, 80))}`),
           );
         }
