@@ -5,7 +5,9 @@
 // Both engines: greedy, exactly `newTokens` new tokens (min_new_tokens = max_new_tokens, so an
 // end-of-sequence token cannot stop either early), the prompt rendered and tokenized by each
 // engine itself (the chat template is given to transformers.js explicitly: it does not read
-// chat_template.jinja). Times come from the streaming callback of each engine:
+// chat_template.jinja), once to count its ids before the timed call and again inside it (so
+// both engines' template and tokenizer code has run once when the timing starts). Times come
+// from the streaming callback of each engine:
 //   load      start of loading (runtime init included) to a ready model
 //   ttft      generate() called to the first new token (tokenization + prefill + one step)
 //   decode    the time between consecutive new tokens, 2..N (median)
@@ -69,6 +71,7 @@ export async function runOnnxGenerate({ load, input, newTokens, budgetMs = Infin
   const t0 = now();
   const model = await load();
   const loadMs = now() - t0;
+  // The prompt's ids before the timed call (transformers.js' runs count theirs the same way).
   const promptIds =
     typeof input === "string"
       ? model.encode(input, true)
@@ -145,6 +148,9 @@ export async function runTransformersJs({
           add_generation_prompt: true,
           return_dict: true,
         });
+  // The prompt's ids before the timed call, as for onnx-generate (which counts them with
+  // encode()): both engines' template and tokenizer have run once when the timing starts.
+  const promptIds = Array.from(tokenize().input_ids.data, Number);
   const startedAt = now();
   const inputs = tokenize();
   const output = await model.generate({
@@ -153,7 +159,6 @@ export async function runTransformersJs({
     streamer: new Timer(),
     stopping_criteria: [budget],
   });
-  const promptIds = Array.from(inputs.input_ids.data, Number);
   const tokenIds = output.tolist()[0].slice(promptIds.length).map(Number);
   const text = tokenizer.decode(tokenIds, { skip_special_tokens: true });
   const againMs = await msToFirstToken(async (onToken) => {
