@@ -129,8 +129,9 @@ const AHEAD_BYTES: usize = 2048;
 /// the kernel needs it. Its own loads run only a dozen iterations ahead of its arithmetic, and
 /// where that arithmetic is long per byte the prefetcher alone leaves the memory's latency
 /// showing. In Node (a build with names, alternating runs, medians of 48 tokens) int8 SmolLM2
-/// decoded in 31.3 ms a token against 33.8 ms without (0.5 to 8 KB ahead: 30.7 to 31.6 ms),
-/// fp16 in 59.2 ms against 64.2. fp32's panels and `lm_head` and q4's kernel did not gain.
+/// decoded in 31.3-31.5 ms a token against 33.4-33.8 ms without (0.5 to 8 KB ahead: 30.7 to
+/// 31.6 ms), fp16 in 54-59 ms against 64 (two sets of runs). fp32's panels and `lm_head` and
+/// q4's kernel did not gain.
 #[inline(always)]
 pub fn touch_ahead<T: Copy>(values: &[T], at: usize) {
     let i = (at + AHEAD_BYTES / std::mem::size_of::<T>()).min(values.len().saturating_sub(1));
