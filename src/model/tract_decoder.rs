@@ -547,9 +547,10 @@ fn compile(
 /// tract's own session), then the generic float arithmetic tract leaves per element replaced
 /// by vectorized ops (`ops::binary`), the softmaxes' NaN guards done in place
 /// (`ops::nan_guard`), the attention products of grouped-query attention rewired to read each
-/// group's keys and values where they lie (`matmul_runtime::grouped_kv`), the scales of dynamically quantized products applied by the
-/// products (`matmul_integer::fuse_scales`), and each `MatMul -> Softmax -> MatMul` attention
-/// computed a block of query rows at a time (`attention::fuse`).
+/// group's keys and values where they lie (`matmul_runtime::grouped_kv`), the scales of
+/// dynamically quantized products applied by the products (`matmul_integer::fuse_scales`), and
+/// each `MatMul -> Softmax -> MatMul` attention computed a block of query rows at a time
+/// (`attention::fuse`).
 ///
 /// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
 /// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal
