@@ -115,9 +115,9 @@ pub fn check_q4_decode() {
 
 /// The 4-bit decode kernel's arithmetic, written out (`matmul_nbits`' `QuantizedRow` and
 /// `q4_column_i16`): the row, padded to whole blocks, rounded to 16-bit integers per group of
-/// 32 (scale `max |x| / 32767`, ties to even); per group, four integer sums of `(q - zero) * x`
-/// (lane `l`: values `8l..8l + 8`), each converted to f32 and multiplied by the group's scale
-/// times the block's, then added to its lane; the lanes added in order at the end.
+/// 32 (scale `max |x| / 32767`, ties to even); per group, the integer sum of `(q - zero) * x`,
+/// converted to f32 and multiplied by the group's scale times the block's, then added to the
+/// total.
 fn q4_reference(
     a: &[f32],
     b: &[u8],
@@ -143,26 +143,24 @@ fn q4_reference(
         .unzip();
     (0..n)
         .map(|col| {
-            let mut lanes = [0f32; 4];
+            let mut total = 0f32;
             for (g, (xq, xs)) in xq.iter().zip(&xs).enumerate() {
                 let blk = g * 32 / bs;
-                for (l, lane) in lanes.iter_mut().enumerate() {
-                    let sum: i32 = (8 * l..8 * l + 8)
-                        .map(|e| {
-                            let i = g * 32 + e;
-                            let byte = b[(col * blocks + blk) * bs / 2 + (i % bs) / 2];
-                            let q = if i.is_multiple_of(2) {
-                                byte & 15
-                            } else {
-                                byte >> 4
-                            };
-                            (q as i32 - zero(col, blk)) * xq[e]
-                        })
-                        .sum();
-                    *lane += sum as f32 * (xs * scales[col * blocks + blk]);
-                }
+                let sum: i32 = (0..32)
+                    .map(|e| {
+                        let i = g * 32 + e;
+                        let byte = b[(col * blocks + blk) * bs / 2 + (i % bs) / 2];
+                        let q = if i.is_multiple_of(2) {
+                            byte & 15
+                        } else {
+                            byte >> 4
+                        };
+                        (q as i32 - zero(col, blk)) * xq[e]
+                    })
+                    .sum();
+                total += sum as f32 * (xs * scales[col * blocks + blk]);
             }
-            ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3]
+            total
         })
         .collect()
 }

@@ -7,10 +7,10 @@
 //! `2^(bits - 1)`. `bias` `[N]` optional. Block sizes are powers of two from 16 to 256.
 //!
 //! The weight stays packed. Decoding (one row of `A`) with 4 bits and integer zero points, the
-//! row is rounded to 16-bit integers per group of 32 values and each column's blocks are
-//! multiplied with it in integers (`QuantizedRow`); otherwise the kernel dequantizes four
-//! columns at a time (with simd128 in wasm) and multiplies them with every row of `A`, so the
-//! f32 weight never exists whole in memory.
+//! row is rounded to 16-bit integers per group of 32 values and the columns' blocks are
+//! multiplied with it in integers, four columns at a time (`QuantizedRow`); otherwise the
+//! kernel dequantizes four columns at a time (with simd128 in wasm) and multiplies them with
+//! every row of `A`, so the f32 weight never exists whole in memory.
 //! Not supported (a load-time error naming the node): `g_idx`, other bit widths, a `B`,
 //! `scales` or `zero_points` whose shape does not match `K`, `N`, `bits` and `block_size`.
 
@@ -363,7 +363,7 @@ fn matmul_in_parts(
     }
     let padded = blocks * bs;
     // Decoding a 4-bit weight with integer zero points: the row (padded) as 16-bit integers, so
-    // that the kernel multiplies integers (`kernels::q4_column_i16`).
+    // that the kernel multiplies integers (`kernels::q4_columns4_i16`, `q4_column_i16`).
     let quantized = (rows == 1 && bits == 4 && bs >= GROUP && !matches!(zp, Zero::Float(_)))
         .then(|| QuantizedRow::of(a, padded))
         .flatten();
@@ -420,8 +420,18 @@ impl Params<'_> {
         let padded = self.blocks * self.bs;
         let width = cols.len();
         if rows == 1 {
-            for (col, o) in cols.zip(block.iter_mut()) {
-                *o = self.column_dot(col, b, ap);
+            let mut col = cols.start;
+            while col < cols.end {
+                let at = col - cols.start;
+                if col + 4 <= cols.end {
+                    if let Some(sums) = self.columns4_dot(col, b) {
+                        block[at..at + 4].copy_from_slice(&sums);
+                        col += 4;
+                        continue;
+                    }
+                }
+                block[at] = self.column_dot(col, b, ap);
+                col += 1;
             }
             return;
         }
@@ -489,14 +499,13 @@ struct Params<'a> {
 /// A row of `A` (padded) as 16-bit integers, each group of [`GROUP`] values with its scale:
 /// `x ~= q * scale`, `scale = max |x| / 32767`, so a value is off by at most half of 1/32767 of
 /// its group's largest. The 4-bit kernel then multiplies integers, eight products per
-/// instruction (`i32x4.dot_i16x8_s`), and converts four sums per group to f32: q4 SmolLM2's
-/// matrix-vector products took half the instructions of dequantizing every weight to f32.
-/// (onnxruntime's `accuracy_level` 4 rounds `A` to 8 bits per block for the same reason.)
+/// instruction (`i32x4.dot_i16x8_s`), and converts one sum per group and column to f32: q4
+/// SmolLM2's matrix-vector products took half the instructions of dequantizing every weight
+/// to f32. (onnxruntime's `accuracy_level` 4 rounds `A` to 8 bits per block for the same reason.)
 ///
-/// Each group's values are in the kernel's order ([`q4_order`]), and `sums` holds, per group,
-/// the four sums of its values `8l..8l + 8` (the values whose products land in lane `l` of the
-/// kernel's sums), so that the kernel subtracts `zero * sums` instead of the zero point from
-/// every weight.
+/// Each group's values are in the kernel's order ([`q4_order`]), and `sums` holds each group's
+/// sum of its values, so that the kernel subtracts `zero * sums` from a group's sum of products
+/// instead of the zero point from every weight.
 struct QuantizedRow {
     q: Vec<i16>,
     sums: Vec<i32>,
@@ -518,7 +527,7 @@ impl QuantizedRow {
         debug_assert!(padded.is_multiple_of(GROUP) && x.len() <= padded);
         let groups = padded / GROUP;
         let mut q = vec![0i16; padded];
-        let mut sums = vec![0i32; 4 * groups];
+        let mut sums = vec![0i32; groups];
         let mut scales = Vec::with_capacity(groups);
         // The last group may be partial: its missing values are zeros.
         for (g, xs) in x.chunks(GROUP).enumerate() {
@@ -538,7 +547,7 @@ impl QuantizedRow {
                     // Ties to even: one `f32.nearest` in wasm (`round` is a call to roundf).
                     let v = (x * inv).round_ties_even().clamp(-32767.0, 32767.0) as i16;
                     qs[q4_order(e)] = v;
-                    sums[4 * g + e / 8] += v as i32;
+                    sums[g] += v as i32;
                 }
             }
             scales.push(scale);
@@ -560,6 +569,30 @@ impl Params<'_> {
                 let byte = z[col * self.zp_blob + bit / 8];
                 ((byte >> (bit % 8)) & ((1u16 << self.bits) - 1) as u8) as f32
             }
+        }
+    }
+
+    /// [`Params::column_dot`] of columns `first..first + 4` with the 16-bit row
+    /// (`kernels::q4_columns4_i16`): `None` without it.
+    fn columns4_dot(&self, first: usize, b: &[u8]) -> Option<[f32; 4]> {
+        let row = self.quantized?;
+        let shift = (self.bs / GROUP).trailing_zeros();
+        let column = |c: usize| (first + c) * self.blocks..(first + c + 1) * self.blocks;
+        let src = [0, 1, 2, 3].map(|c| {
+            let blocks = column(c);
+            &b[blocks.start * self.blob..blocks.end * self.blob]
+        });
+        let scales = [0, 1, 2, 3].map(|c| &self.scales[column(c)]);
+        match self.zp {
+            Zero::Default => Some(kernels::q4_columns4_i16(src, row, shift, scales, |_, _| 8)),
+            Zero::Packed(_) => Some(kernels::q4_columns4_i16(
+                src,
+                row,
+                shift,
+                scales,
+                |c, blk| self.zero(first + c, blk) as u8,
+            )),
+            Zero::Float(_) => None,
         }
     }
 
@@ -746,10 +779,10 @@ mod kernels {
 
     /// `sum_k x[k] * w[k]` over one column of 4-bit blocks (whole groups of 32) with `x` as
     /// 16-bit integers (`QuantizedRow`), blocks of `32 << shift` values, integer zero points.
-    /// Per group, four integer sums (lane `l`: the values `8l..8l + 8`) less `zero * sums`,
-    /// each converted (exactly: under 2^24 in magnitude) and multiplied by the group's scale
-    /// times the block's, then added to its lane; the lanes added in order at the end. The
-    /// same f32 operations in the same order as the simd128 kernel, so both give the same bits.
+    /// Per group, the integer sum of its products less `zero * sums` (exact, and under 2^24 in
+    /// magnitude, so exact in f32 too), converted and multiplied by the group's scale times
+    /// the block's, then added to the total. The same f32 operations in the same order as the
+    /// simd128 kernels, so all give the same bits.
     pub fn q4_column_i16(
         src: &[u8],
         row: &super::QuantizedRow,
@@ -757,24 +790,31 @@ mod kernels {
         scales: &[f32],
         zero: impl Fn(usize) -> u8,
     ) -> f32 {
-        let mut total = [0f32; 4];
+        let mut total = 0f32;
         for (g, bytes) in src.chunks_exact(GROUP / 2).enumerate() {
             let blk = g >> shift;
-            let z = zero(blk) as i32;
             let x = &row.q[g * GROUP..(g + 1) * GROUP];
-            let mut acc = [0i32; 4];
+            let mut sum = 0i32;
             for (e, byte) in bytes.iter().enumerate() {
                 let (lo, hi) = ((byte & 0x0f) as i32, (byte >> 4) as i32);
-                acc[e / 4] += lo * x[super::q4_order(2 * e)] as i32;
-                acc[e / 4] += hi * x[super::q4_order(2 * e + 1)] as i32;
+                sum += lo * x[super::q4_order(2 * e)] as i32
+                    + hi * x[super::q4_order(2 * e + 1)] as i32;
             }
-            let factor = row.scales[g] * scales[blk];
-            for l in 0..4 {
-                let sum = acc[l] - z * row.sums[4 * g + l];
-                total[l] += sum as f32 * factor;
-            }
+            let sum = sum - zero(blk) as i32 * row.sums[g];
+            total += sum as f32 * (row.scales[g] * scales[blk]);
         }
-        ((total[0] + total[1]) + total[2]) + total[3]
+        total
+    }
+
+    /// [`q4_column_i16`] for four columns; `zero(c, blk)` is column `c`'s zero point.
+    pub fn q4_columns4_i16(
+        src: [&[u8]; 4],
+        row: &super::QuantizedRow,
+        shift: u32,
+        scales: [&[f32]; 4],
+        zero: impl Fn(usize, usize) -> u8,
+    ) -> [f32; 4] {
+        [0, 1, 2, 3].map(|c| q4_column_i16(src[c], row, shift, scales[c], |blk| zero(c, blk)))
     }
 }
 
@@ -923,14 +963,55 @@ mod kernels {
             + f32x4_extract_lane::<3>(s)
     }
 
-    /// [`q4_column`] with `x` as 16-bit integers (`QuantizedRow`), with simd128: a group's 16
-    /// bytes are read as eight 16-bit lanes, whose four nibbles a mask and shifts by 4, 8 and
-    /// 12 bits separate into four i16x8 (no widening of bytes, no zero point subtracted from
-    /// each weight: `zero * sums` is subtracted from the sums), which meet `x` in four
-    /// `i32x4.dot_i16x8_s`. One flat loop over the groups: nested loops over the blocks and
-    /// their groups (a runtime count of one for blocks of 32) compiled in V8 to a loop that
-    /// rebuilt its constants and reloaded spilled registers every group: q4 SmolLM2's
-    /// products ran at 4.4 G weights/s in Node, 10.6 with this loop.
+    /// A group's 16 bytes of one column times its 32 values of `x` (`QuantizedRow`, four
+    /// i16x8): the bytes read as eight 16-bit lanes, whose four nibbles a mask and shifts by 4,
+    /// 8 and 12 bits separate into four i16x8 (no widening of bytes, no zero point subtracted
+    /// from each weight), which meet `x` in four `i32x4.dot_i16x8_s`: four partial sums.
+    #[inline(always)]
+    fn group_dots(v: v128, x: &[v128; 4]) -> v128 {
+        let mask = u16x8_splat(0x000f);
+        let n0 = v128_and(v, mask);
+        let n1 = v128_and(u16x8_shr(v, 4), mask);
+        let n2 = v128_and(u16x8_shr(v, 8), mask);
+        let n3 = u16x8_shr(v, 12);
+        i32x4_add(
+            i32x4_add(i32x4_dot_i16x8(n0, x[0]), i32x4_dot_i16x8(n1, x[1])),
+            i32x4_add(i32x4_dot_i16x8(n2, x[2]), i32x4_dot_i16x8(n3, x[3])),
+        )
+    }
+
+    /// Group `g`'s 32 values of `x` (`QuantizedRow`) as four i16x8.
+    ///
+    /// # Safety
+    /// `row.q[32 g..32 g + 32]` must be in bounds.
+    #[inline(always)]
+    unsafe fn group_values(row: &super::QuantizedRow, g: usize) -> [v128; 4] {
+        let xp = row.q.as_ptr().add(g * GROUP) as *const v128;
+        [0, 1, 2, 3].map(|i| v128_load(xp.add(i)))
+    }
+
+    /// The bounds that the kernels' unchecked reads rely on.
+    fn check(
+        groups: usize,
+        src: &[&[u8]],
+        row: &super::QuantizedRow,
+        shift: u32,
+        scales: &[&[f32]],
+    ) {
+        assert!(
+            src.iter().all(|s| s.len() >= groups * (GROUP / 2))
+                && groups * GROUP <= row.q.len()
+                && groups <= row.sums.len()
+                && groups <= row.scales.len()
+                && scales
+                    .iter()
+                    .all(|s| (groups.saturating_sub(1) >> shift) < s.len()),
+            "q4_column_i16: {groups} groups"
+        );
+    }
+
+    /// [`q4_column`] with `x` as 16-bit integers (`QuantizedRow`), with simd128 (`group_dots`);
+    /// the portable kernel's f32 operations, so the same bits.
     pub fn q4_column_i16(
         src: &[u8],
         row: &super::QuantizedRow,
@@ -939,44 +1020,92 @@ mod kernels {
         zero: impl Fn(usize) -> u8,
     ) -> f32 {
         let groups = src.len() / (GROUP / 2);
-        assert!(
-            groups * GROUP <= row.q.len()
-                && 4 * groups <= row.sums.len()
-                && groups <= row.scales.len()
-                && (groups.saturating_sub(1) >> shift) < scales.len(),
-            "q4_column_i16: {groups} groups"
-        );
-        let mask = u16x8_splat(0x000f);
+        check(groups, &[src], row, shift, &[scales]);
+        let mut total = 0f32;
+        for g in 0..groups {
+            let blk = g >> shift;
+            // SAFETY: group g covers src[16g..16g+16], row.q[32g..32g+32], row.sums[g] and
+            // row.scales[g], and block blk scales[blk], in bounds (`check`); v128_load accepts
+            // unaligned addresses.
+            unsafe {
+                let d = group_dots(
+                    v128_load(src.as_ptr().add(g * 16) as *const v128),
+                    &group_values(row, g),
+                );
+                let d = i32x4_add(d, i32x4_shuffle::<2, 3, 0, 1>(d, d));
+                let d = i32x4_add(d, i32x4_shuffle::<1, 0, 3, 2>(d, d));
+                let sum =
+                    i32x4_extract_lane::<0>(d) - zero(blk) as i32 * *row.sums.get_unchecked(g);
+                total += sum as f32 * (*row.scales.get_unchecked(g) * *scales.get_unchecked(blk));
+            }
+        }
+        total
+    }
+
+    /// [`q4_column_i16`] for four columns at once: each group's values of `x` loaded once, the
+    /// four columns' partial sums added across into one i32x4 (a column a lane), their zero
+    /// points, conversion, scales and totals four columns an operation. Per 32 weights a
+    /// column, about 19 operations where one column at a time took 36 (its f32 work and zero
+    /// point were per column and group): q4 SmolLM2 decoded at 30.0-31.3 ms a token in Node
+    /// against 36.0-39.1. One flat loop over the groups: nested loops over the blocks and their
+    /// groups (a runtime count of one for blocks of 32) compiled in V8 to a loop that rebuilt
+    /// its constants and reloaded spilled registers every group (4.4 G weights/s against 10.6).
+    pub fn q4_columns4_i16(
+        src: [&[u8]; 4],
+        row: &super::QuantizedRow,
+        shift: u32,
+        scales: [&[f32]; 4],
+        zero: impl Fn(usize, usize) -> u8,
+    ) -> [f32; 4] {
+        let groups = src[0].len() / (GROUP / 2);
+        check(groups, &src, row, shift, &scales);
         let mut total = f32x4_splat(0.0);
         for g in 0..groups {
             let blk = g >> shift;
-            // SAFETY: group g covers src[16g..16g+16], row.q[32g..32g+32] and
-            // row.sums[4g..4g+4], in bounds (asserted above); v128_load accepts unaligned
-            // addresses.
+            // SAFETY: as in `q4_column_i16`, for each of the four columns.
             unsafe {
-                let v = v128_load(src.as_ptr().add(g * 16) as *const v128);
-                let xp = row.q.as_ptr().add(g * GROUP) as *const v128;
-                let n0 = v128_and(v, mask);
-                let n1 = v128_and(u16x8_shr(v, 4), mask);
-                let n2 = v128_and(u16x8_shr(v, 8), mask);
-                let n3 = u16x8_shr(v, 12);
-                let d0 = i32x4_dot_i16x8(n0, v128_load(xp));
-                let d1 = i32x4_dot_i16x8(n1, v128_load(xp.add(1)));
-                let d2 = i32x4_dot_i16x8(n2, v128_load(xp.add(2)));
-                let d3 = i32x4_dot_i16x8(n3, v128_load(xp.add(3)));
-                let sums = v128_load(row.sums.as_ptr().add(4 * g) as *const v128);
-                let zs = i32x4_mul(sums, i32x4_splat(zero(blk) as i32));
-                let acc = i32x4_sub(i32x4_add(i32x4_add(d0, d1), i32x4_add(d2, d3)), zs);
-                let factor = *row.scales.get_unchecked(g) * *scales.get_unchecked(blk);
-                total = f32x4_add(
-                    total,
-                    f32x4_mul(f32x4_convert_i32x4(acc), f32x4_splat(factor)),
+                let x = group_values(row, g);
+                let d =
+                    src.map(|s| group_dots(v128_load(s.as_ptr().add(g * 16) as *const v128), &x));
+                // Lane c: the sum of column c's four partial sums.
+                let a = i32x4_add(
+                    i32x4_shuffle::<0, 4, 1, 5>(d[0], d[1]),
+                    i32x4_shuffle::<2, 6, 3, 7>(d[0], d[1]),
                 );
+                let b = i32x4_add(
+                    i32x4_shuffle::<0, 4, 1, 5>(d[2], d[3]),
+                    i32x4_shuffle::<2, 6, 3, 7>(d[2], d[3]),
+                );
+                let sums = i32x4_add(
+                    i32x4_shuffle::<0, 1, 4, 5>(a, b),
+                    i32x4_shuffle::<2, 3, 6, 7>(a, b),
+                );
+                let zeros = i32x4(
+                    zero(0, blk) as i32,
+                    zero(1, blk) as i32,
+                    zero(2, blk) as i32,
+                    zero(3, blk) as i32,
+                );
+                let sums = i32x4_sub(
+                    sums,
+                    i32x4_mul(zeros, i32x4_splat(*row.sums.get_unchecked(g))),
+                );
+                let block_scales = f32x4(
+                    *scales[0].get_unchecked(blk),
+                    *scales[1].get_unchecked(blk),
+                    *scales[2].get_unchecked(blk),
+                    *scales[3].get_unchecked(blk),
+                );
+                let factor = f32x4_mul(f32x4_splat(*row.scales.get_unchecked(g)), block_scales);
+                total = f32x4_add(total, f32x4_mul(f32x4_convert_i32x4(sums), factor));
             }
         }
-        ((f32x4_extract_lane::<0>(total) + f32x4_extract_lane::<1>(total))
-            + f32x4_extract_lane::<2>(total))
-            + f32x4_extract_lane::<3>(total)
+        [
+            f32x4_extract_lane::<0>(total),
+            f32x4_extract_lane::<1>(total),
+            f32x4_extract_lane::<2>(total),
+            f32x4_extract_lane::<3>(total),
+        ]
     }
 }
 
