@@ -12,6 +12,7 @@ use crate::decoder::{Decoder, DecoderState, Logits};
 use crate::error::{backend, Error, Result};
 use crate::model::embeddings::Embedder;
 use crate::model::onnx::{into_typed, is_number, specialize_bool_input, Apart, Decoded};
+use crate::model::ops::matmul_runtime::past_where_it_lies;
 use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32};
 use crate::vision::RowInputs;
 
@@ -41,6 +42,10 @@ struct Plan {
     logits: usize,
     /// Output index of each layer's `(present key, present value)`.
     presents: Vec<(usize, usize)>,
+    /// Per output, whether it holds only the step's new positions (an `append` present whose
+    /// past the attention reads where it lies: `matmul_runtime::past_where_it_lies`), not the
+    /// past and new ones.
+    new_only: Vec<bool>,
 }
 
 /// A decoder-only graph compiled by tract.
@@ -175,9 +180,8 @@ impl TractDecoder {
         }
         let sig = &self.0.sig;
         // `append` hands the whole buffer to the graph as its past, and the graph's attention
-        // and its `Concat` of past and new positions cost as much as the buffer is long: the
-        // buffer starts empty and doubles as the rows grow (`KvCache::reserve`), so it stays
-        // within twice the longest row. `in_place` attends only to each row's valid positions.
+        // costs as much as the buffer is long: the buffer starts empty and grows with the rows
+        // (`KvCache::reserve`). `in_place` attends only to each row's valid positions.
         let capacity = match sig.cache_mode {
             CacheMode::Grow => 0,
             CacheMode::Append => 1,
@@ -527,18 +531,33 @@ fn compile(
         .iter()
         .map(|l| Ok((out(&l.present_key)?, out(&l.present_value)?)))
         .collect::<Result<Vec<_>>>()?;
-    let typed = optimize(model).map_err(|e| {
+    let mut typed = optimize(model).map_err(|e| {
         Error::Model(format!(
             "tract cannot compile the graph: {}",
             unsupported_hint(&e, sig)
         ))
     })?;
+    // `append` hands its buffers to the graph as the past; the other modes keep the
+    // presents as the graph makes them (`grow`: they are the cache).
+    let new_only = if sig.cache_mode == CacheMode::Append {
+        let inputs = typed.input_outlets().map_err(backend)?;
+        let pasts: Vec<OutletId> = roles
+            .iter()
+            .zip(inputs)
+            .filter(|(role, _)| matches!(role, Role::PastKey(_) | Role::PastValue(_)))
+            .map(|(_, &outlet)| outlet)
+            .collect();
+        past_where_it_lies(&mut typed, &pasts).map_err(backend)?
+    } else {
+        vec![false; typed.outputs.len()]
+    };
     let runnable = typed.into_runnable().map_err(backend)?;
     Ok(Plan {
         runnable,
         roles,
         logits,
         presents,
+        new_only,
     })
 }
 
@@ -721,9 +740,11 @@ impl TractState {
         }
         let plan = self.decoder.plan(rows, false)?;
         let outputs = self.run(&plan, counts, ids, mask, positions)?;
+        // Where a present holds the past too, its new positions come after the buffer's.
+        let from = |o: usize| if plan.new_only[o] { 0 } else { cap };
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
-            self.cache
-                .append(l, &outputs[k], &outputs[v], cap, counts)?;
+            let (key, value) = ((&*outputs[k], from(k)), (&*outputs[v], from(v)));
+            self.cache.append(l, key, value, counts)?;
         }
         self.cache.advance(counts);
         last_logits(&outputs[plan.logits], counts, self.decoder.vocab)
@@ -960,6 +981,35 @@ mod tests {
             cache,
             broken: false,
             rows: None,
+        }
+    }
+
+    /// An exported `append` decoder (Llama, as optimum exports SmolLM2) attends to the past
+    /// where it lies: every plan's presents hold the new positions only
+    /// (`past_where_it_lies`), for one row and for a batch. (Its generations are checked
+    /// against transformers' in `tests/`.) GPT-2's exports transpose the keys in the graph
+    /// before their product, so only their values' presents are new positions only.
+    #[test]
+    fn append_plans_read_the_past_where_it_lies() {
+        for name in ["gpt2", "gpt2-merged", "llama"] {
+            let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/models")
+                .join(name);
+            let files = ModelFiles::from_dir(&dir, None).unwrap();
+            let config: serde_json::Value = serde_json::from_slice(&files.config).unwrap();
+            let mut proto = onnx::decode(&files.model, None, &files.model_name).unwrap();
+            crate::model::weights::runtime_matmuls(&mut proto);
+            let sig = Arc::new(Signature::read(&proto, &config).unwrap());
+            assert_eq!(sig.cache_mode, CacheMode::Append, "{name}");
+            let decoder = TractDecoder::new(proto, sig, 512, None).unwrap();
+            for rows in [1, 3] {
+                let plan = decoder.0.plan(rows, false).unwrap();
+                assert!(!plan.presents.is_empty(), "{name}");
+                for &(k, v) in &plan.presents {
+                    let keys = plan.new_only[k] || name.starts_with("gpt2");
+                    assert!(keys && plan.new_only[v], "{name}, {rows} rows");
+                }
+            }
         }
     }
 

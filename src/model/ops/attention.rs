@@ -203,6 +203,7 @@ fn fusable(
     };
     let rank = model.outlet_fact(p)?.rank();
     if values.group != 1
+        || values.split_b
         || values.trans_b
         || !only_reader(p)
         || softmax.kind != SoftmaxKind::Softmax
@@ -215,7 +216,7 @@ fn fusable(
     let Some(scores) = model.node(s.node).op_as::<RuntimeOp>() else {
         return Ok(None);
     };
-    if scores.group != 1 || !only_reader(s) {
+    if scores.group != 1 || scores.split_b || !only_reader(s) {
         return Ok(None);
     }
     let [q, k] = model.node(s.node).inputs[..] else {
@@ -254,7 +255,11 @@ mod tests {
             let q = model.add_const("q", q).unwrap();
             let k = model.add_const("k", k).unwrap();
             let v = model.add_const("v", v).unwrap();
-            let op = RuntimeOp { trans_b, group: 1 };
+            let op = RuntimeOp {
+                trans_b,
+                group: 1,
+                split_b: false,
+            };
             let s = model.wire_node("qk", op, &[q, k]).unwrap();
             let rank = batch.len() + 2;
             let softmax = Softmax::new(tvec![rank - 1], None, SoftmaxKind::Softmax);
@@ -262,6 +267,7 @@ mod tests {
             let op = RuntimeOp {
                 trans_b: false,
                 group: 1,
+                split_b: false,
             };
             let y = model.wire_node("pv", op, &[p[0], v]).unwrap();
             model.select_output_outlets(&y).unwrap();
@@ -305,6 +311,7 @@ mod tests {
             let op = RuntimeOp {
                 trans_b: true,
                 group: 1,
+                split_b: false,
             };
             let s = model.wire_node("qk", op, &[q, k]).unwrap();
             let softmax = Softmax::new(tvec![axis], None, SoftmaxKind::Softmax);
@@ -312,6 +319,7 @@ mod tests {
             let op = RuntimeOp {
                 trans_b: false,
                 group: 1,
+                split_b: false,
             };
             let y = model.wire_node("pv", op, &[p[0], v]).unwrap();
             let outputs = if scores_out {

@@ -620,8 +620,14 @@ mod kernels {
 /// `x.len()` rows of a matrix whose rows are `stride` apart; four rows per pass over `out`.
 pub fn axpy_rows(x: &[f32], w: &[f32], stride: usize, out: &mut [f32]) {
     let n = out.len();
+    axpy_rows_with(x, |k| &w[k * stride..k * stride + n], out);
+}
+
+/// [`axpy_rows`] with row `k` of the matrix given by `row(k)` (`out.len()` values).
+pub fn axpy_rows_with<'a>(x: &[f32], row: impl Fn(usize) -> &'a [f32], out: &mut [f32]) {
+    let n = out.len();
     let rows = x.len();
-    let row = |k: usize| &w[k * stride..k * stride + n];
+    let row = |k: usize| &row(k)[..n];
     let mut k = 0;
     while k + 4 <= rows {
         let (a0, a1, a2, a3) = (x[k], x[k + 1], x[k + 2], x[k + 3]);

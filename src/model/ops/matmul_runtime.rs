@@ -15,11 +15,11 @@
 //! 3.1 s. Other forms (an operand of rank 1, not f32) are wired as tract-onnx's `MatMul`.
 
 use tract_onnx::prelude::*;
-use tract_onnx::tract_core::ops::array::MultiBroadcastTo;
+use tract_onnx::tract_core::ops::array::{MultiBroadcastTo, TypedConcat};
 use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
-use super::linalg::{axpy_rows, panels_from_rows, transpose_nk, transpose_panels};
+use super::linalg::{axpy_rows, axpy_rows_with, panels_from_rows, transpose_nk, transpose_panels};
 use super::matmul_weights::{self, Layout};
 
 /// From this many rows of `A` (a prompt, an encoder), `B` is transposed for the prompt kernel;
@@ -76,28 +76,43 @@ impl Expansion for Runtime {
             return self.0.wire(prefix, model, inputs);
         }
         let trans_b = self.0.b_trans;
-        model.wire_node(prefix, RuntimeOp { trans_b, group: 1 }, inputs)
+        model.wire_node(
+            prefix,
+            RuntimeOp {
+                trans_b,
+                group: 1,
+                split_b: false,
+            },
+            inputs,
+        )
     }
 }
 
 /// `A @ B`, or `A @ B^T` when `trans_b` (`B` given as `[.., n, k]`). With `group` above one,
 /// `B`'s third axis from the end (its heads) has `group` times fewer entries than `A`'s, and
 /// head `h` of `A` multiplies head `h / group` of `B` (grouped-query attention, `grouped_kv`).
+/// With `split_b`, `B` comes as two inputs, a cache's past positions and a step's new ones,
+/// and is their concatenation along its second axis from the end (`past_where_it_lies`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq)]
 pub struct RuntimeOp {
     pub trans_b: bool,
     pub group: usize,
+    pub split_b: bool,
 }
 
 impl RuntimeOp {
-    /// `B`'s shape as the product sees it: its heads repeated `group` times.
-    fn b_shape<D: DimLike>(&self, b: TVec<D>) -> TVec<D> {
-        let mut b = b;
-        if self.group > 1 {
-            let head = b.len() - 3;
-            b[head] = b[head].clone() * self.group;
+    /// `B`'s shape as the product sees it (`b`: the shapes of its parts): the parts
+    /// concatenated, its heads repeated `group` times.
+    fn b_shape<D: DimLike>(&self, b: &[TVec<D>]) -> TVec<D> {
+        let mut shape = b[0].clone();
+        let r = shape.len();
+        for part in &b[1..] {
+            shape[r - 2] = shape[r - 2].clone() + part[r - 2].clone();
         }
-        b
+        if self.group > 1 {
+            shape[r - 3] = shape[r - 3].clone() * self.group;
+        }
+        shape
     }
 }
 
@@ -110,9 +125,10 @@ impl Op for RuntimeOp {
 
 impl TypedOp for RuntimeOp {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
+        let b: TVec<TVec<TDim>> = inputs[1..].iter().map(|f| f.shape.to_tvec()).collect();
         let (_, _, _, c) = compute_shapes(
             inputs[0].shape.to_tvec(),
-            self.b_shape(inputs[1].shape.to_tvec()),
+            self.b_shape(&b),
             false,
             self.trans_b,
             false,
@@ -126,10 +142,25 @@ impl EvalOp for RuntimeOp {
     op_out_of_plan!();
 
     fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
-        let (a, b) = (&inputs[0], &inputs[1]);
+        let a = &inputs[0];
+        let rows = if a.rank() >= 2 {
+            a.shape()[a.rank() - 2]
+        } else {
+            1
+        };
+        let joined;
+        let parts: &[TValue] = if self.split_b && rows != 1 {
+            // Several rows (a prompt) multiply a copy of B anyway: the parts joined first.
+            let axis = inputs[1].rank().saturating_sub(2);
+            joined = [Tensor::stack_tensors(axis, &inputs[1..])?.into_tvalue()];
+            &joined
+        } else {
+            &inputs[1..]
+        };
+        let shapes: TVec<TVec<usize>> = parts.iter().map(|t| t.shape().into()).collect();
         let (ashape, bshape, _, cshape) = compute_shapes(
             a.shape().into(),
-            self.b_shape(b.shape().into()),
+            self.b_shape(&shapes),
             false,
             self.trans_b,
             false,
@@ -139,7 +170,6 @@ impl EvalOp for RuntimeOp {
         let (m, k) = (ashape[rank - 2], ashape[rank - 1]);
         let mut out = vec![0f32; cshape.iter().product()];
         let x = a.try_as_plain_ram()?.as_slice::<f32>()?;
-        let w = b.try_as_plain_ram()?.as_slice::<f32>()?;
         // Element strides of each batch axis in A and B (0 where the axis is broadcast).
         let strides = |shape: &[usize], matrix: usize| {
             let mut s = vec![0usize; rank - 2];
@@ -155,11 +185,21 @@ impl EvalOp for RuntimeOp {
         // Grouped heads: `bshape` counts B's heads `group` times; B's strides come from the
         // shape it has, and `i / group` below picks the head of B.
         let head = (self.group > 1).then(|| rank - 3);
-        let mut b_lies = bshape.clone();
-        if let Some(h) = head {
-            b_lies[h] /= self.group;
-        }
-        let (sa, sb) = (strides(&ashape, m * k), strides(&b_lies, k * n));
+        let sa = strides(&ashape, m * k);
+        // Per part of B: its values, its positions (second axis from the end), its strides.
+        let parts = parts
+            .iter()
+            .map(|t| {
+                let mut lies = bshape.clone();
+                lies[rank - 2] = t.shape()[t.rank() - 2];
+                if let Some(h) = head {
+                    lies[h] /= self.group;
+                }
+                let matrix = lies[rank - 2] * lies[rank - 1];
+                let values = t.try_as_plain_ram()?.as_slice::<f32>()?;
+                Ok((values, lies[rank - 2], strides(&lies, matrix)))
+            })
+            .collect::<TractResult<Vec<_>>>()?;
         let batches: usize = cshape[..rank - 2].iter().product();
         let mut transposed = Vec::new();
         for (batch, c) in out
@@ -167,15 +207,48 @@ impl EvalOp for RuntimeOp {
             .enumerate()
             .take(batches)
         {
-            let (mut ia, mut ib, mut rest) = (0, 0, batch);
+            let (mut ia, mut ib, mut rest) = (0, [0, 0], batch);
             for ax in (0..rank - 2).rev() {
                 let i = rest % cshape[ax];
                 rest /= cshape[ax];
                 ia += i * sa[ax];
-                ib += if head == Some(ax) { i / self.group } else { i } * sb[ax];
+                let ix = if head == Some(ax) { i / self.group } else { i };
+                for (ib, (_, _, sb)) in ib.iter_mut().zip(&parts) {
+                    *ib += ix * sb[ax];
+                }
             }
-            let b = ready(self.trans_b, &w[ib..ib + k * n], m, k, n, &mut transposed);
-            multiply(&b, &x[ia..ia + m * k], k, n, c);
+            let xb = &x[ia..ia + m * k];
+            match parts[..] {
+                [(w, _, _)] => {
+                    let b = ready(
+                        self.trans_b,
+                        &w[ib[0]..ib[0] + k * n],
+                        m,
+                        k,
+                        n,
+                        &mut transposed,
+                    );
+                    multiply(&b, xb, k, n, c);
+                }
+                // One row and B in two parts, read where they lie: with `trans_b` each
+                // output is one dot product over its part's position; otherwise the row adds
+                // up the positions of both parts in order, as `axpy_rows` over the whole.
+                [(past, p, _), (new, s, _)] if self.trans_b => {
+                    let (past, new) = (&past[ib[0]..ib[0] + p * k], &new[ib[1]..ib[1] + s * k]);
+                    let (cp, cs) = c.split_at_mut(p);
+                    matmul_weights::matmul_f32_nk(xb, 1, past, k, p, Layout::Nk, cp);
+                    matmul_weights::matmul_f32_nk(xb, 1, new, k, s, Layout::Nk, cs);
+                }
+                [(past, p, _), (new, s, _)] => {
+                    let (past, new) = (&past[ib[0]..ib[0] + p * n], &new[ib[1]..ib[1] + s * n]);
+                    let row = |j: usize| match j.checked_sub(p) {
+                        None => &past[j * n..(j + 1) * n],
+                        Some(j) => &new[j * n..(j + 1) * n],
+                    };
+                    axpy_rows_with(xb, row, c);
+                }
+                _ => bail!("MatMulRuntime: B in {} parts", parts.len()),
+            }
         }
         Ok(tvec!(Tensor::from_shape(&cshape, &out)?.into_tvalue()))
     }
@@ -277,6 +350,59 @@ pub fn grouped_kv(model: &mut TypedModel) -> TractResult<usize> {
     Ok(rewired)
 }
 
+/// The KV cache read where it lies: an output of the graph that is `Concat(past, new)` along
+/// the positions axis (the second from the end), `past` one of `pasts` (the cache buffers the
+/// engine hands to the graph), and whose only readers in the plan are attention products
+/// (`MatMulRuntime`'s `B`), becomes `new` alone, and the products read `past` and `new` as
+/// two parts (`split_b`). The exported graphs copy every layer's keys and values into a new
+/// tensor at each step only to attend to it and hand it back, and the engine then copies the
+/// new positions into its buffer; at 1024 cached positions the copies wrote 47 MB a step
+/// in SmolLM2. Returns, per output of the graph, whether it now holds the new positions only.
+pub fn past_where_it_lies(model: &mut TypedModel, pasts: &[OutletId]) -> TractResult<Vec<bool>> {
+    let live: std::collections::HashSet<usize> = model.eval_order()?.into_iter().collect();
+    let mut new_only = vec![false; model.outputs.len()];
+    for (ix, is_new_only) in new_only.iter_mut().enumerate() {
+        let outlet = model.outputs[ix];
+        let node = model.node(outlet.node);
+        let Some(concat) = node.op_as::<TypedConcat>() else {
+            continue;
+        };
+        let rank = model.outlet_fact(outlet)?.rank();
+        let [past, new] = node.inputs[..] else {
+            continue;
+        };
+        if rank < 3 || concat.axis != rank - 2 || !pasts.contains(&past) {
+            continue;
+        }
+        let readers: Vec<InletId> = model
+            .outlet_successors(outlet)
+            .iter()
+            .filter(|i| live.contains(&i.node))
+            .copied()
+            .collect();
+        let products: Vec<(usize, RuntimeOp)> = readers
+            .iter()
+            .filter(|i| i.slot == 1)
+            .filter_map(|i| Some((i.node, model.node(i.node).op_as::<RuntimeOp>()?.clone())))
+            .filter(|(_, op)| !op.split_b)
+            .collect();
+        if products.is_empty() || products.len() != readers.len() || model.outputs.contains(&new) {
+            continue;
+        }
+        for (id, op) in products {
+            model.node_mut(id).op = Box::new(RuntimeOp {
+                split_b: true,
+                ..op
+            });
+            model.add_edge(past, InletId::new(id, 1))?;
+            model.add_edge(new, InletId::new(id, 2))?;
+        }
+        model.outputs[ix] = new;
+        *is_new_only = true;
+    }
+    Ok(new_only)
+}
+
 /// When `b` is `x` `[.., kv_heads, L, d]` with a new axis before `L`, broadcast along it to
 /// `rep` and reshaped to `[.., kv_heads * rep, L, d]`, and `a` has as many heads as `b` on the
 /// same axis: `x` and `rep`.
@@ -364,7 +490,15 @@ mod tests {
                 m.add_const("b", b.clone()).unwrap(),
             );
             let o = m
-                .wire_node("ours", RuntimeOp { trans_b, group: 1 }, &[sa, sb])
+                .wire_node(
+                    "ours",
+                    RuntimeOp {
+                        trans_b,
+                        group: 1,
+                        split_b: false,
+                    },
+                    &[sa, sb],
+                )
                 .unwrap();
             m.select_output_outlets(&o).unwrap();
             let ours = super::super::testing::first_output(m);
@@ -381,6 +515,86 @@ mod tests {
             assert_eq!(ours.shape(), theirs.shape(), "{case}");
             ours.close_enough(&theirs, Approximation::Approximate)
                 .unwrap_or_else(|e| panic!("{case}: {e}"));
+        }
+    }
+
+    /// `past_where_it_lies` on `Concat(past, new)` (an output) read by the keys' and the
+    /// values' products: the products read the two parts, the output becomes `new`, the plan
+    /// runs no `Concat`, and the products' outputs are bit for bit those of the graph as it
+    /// was, one row (the parts where they lie) and several (the parts joined), grouped heads
+    /// and not, a batch of two. A `Concat` read by another op is left as it is.
+    #[test]
+    fn products_read_the_past_where_it_lies() {
+        let mut next = super::super::testing::uniform(0x6a09_e667_f3bc_c908);
+        for (batch, kv_heads, group, rows, past, new) in [
+            (1, 3, 3, 1, 7, 1),
+            (1, 2, 1, 1, 9, 1),
+            (2, 1, 2, 1, 5, 2),
+            (1, 3, 3, 5, 4, 5),
+        ] {
+            let d = 8;
+            let heads = kv_heads * group;
+            let mut tensor = |shape: &[usize]| {
+                let v: Vec<f32> = (0..shape.iter().product()).map(|_| next()).collect();
+                Tensor::from_shape(shape, &v).unwrap()
+            };
+            let q = tensor(&[batch, heads, rows, d]);
+            let p = tensor(&[batch, heads, rows, past + new]);
+            let (pk, nk) = (
+                tensor(&[batch, kv_heads, past, d]),
+                tensor(&[batch, kv_heads, new, d]),
+            );
+            let mut model = TypedModel::default();
+            let fact = |t: &Tensor| f32::fact(t.shape());
+            let past_key = model.add_source("past", fact(&pk)).unwrap();
+            let new_key = model.add_source("new", fact(&nk)).unwrap();
+            let q = model.add_const("q", q).unwrap();
+            let p = model.add_const("p", p).unwrap();
+            let keys = model
+                .wire_node("concat", TypedConcat { axis: 2 }, &[past_key, new_key])
+                .unwrap()[0];
+            let op = |trans_b| RuntimeOp {
+                trans_b,
+                group,
+                split_b: false,
+            };
+            let scores = model.wire_node("qk", op(true), &[q, keys]).unwrap()[0];
+            // The keys serve as the values too: `[past + new, d]` is `P V`'s `B`.
+            let values = model.wire_node("pv", op(false), &[p, keys]).unwrap()[0];
+            model
+                .select_output_outlets(&[scores, values, keys])
+                .unwrap();
+            let run = |model: &TypedModel| {
+                let inputs = tvec!(pk.clone().into_tvalue(), nk.clone().into_tvalue());
+                model.clone().into_runnable().unwrap().run(inputs).unwrap()
+            };
+            let before = run(&model);
+            let mut other = model.clone();
+            let new_only = past_where_it_lies(&mut model, &[past_key]).unwrap();
+            assert_eq!(new_only, [false, false, true]);
+            let order = model.eval_order().unwrap();
+            assert!(order
+                .iter()
+                .all(|&n| model.node(n).op_as::<TypedConcat>().is_none()));
+            let after = run(&model);
+            let case = format!("batch {batch} kv_heads {kv_heads} group {group} rows {rows}");
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let values = t.try_as_plain_ram().unwrap().as_slice::<f32>().unwrap();
+                values.iter().map(|v| v.to_bits()).collect()
+            };
+            for o in 0..2 {
+                assert_eq!(before[o].shape(), after[o].shape(), "{case}");
+                assert_eq!(bits(&before[o]), bits(&after[o]), "{case}");
+            }
+            assert_eq!(*after[2], nk, "{case}");
+            // Read by an op other than the products: left as it is.
+            let neg = tract_onnx::tract_core::ops::math::neg();
+            let negated = other.wire_node("neg", neg, &[keys]).unwrap()[0];
+            other
+                .select_output_outlets(&[scores, values, keys, negated])
+                .unwrap();
+            let unchanged = past_where_it_lies(&mut other, &[past_key]).unwrap();
+            assert_eq!(unchanged, [false; 4], "{case}");
         }
     }
 
@@ -419,7 +633,11 @@ mod tests {
                 .unwrap();
             let merge = AxisOp::Reshape(1, tvec![kv_heads.into(), rep.into()], tvec![heads.into()]);
             let b = model.wire_node("merge", merge, &repeated).unwrap();
-            let op = RuntimeOp { trans_b, group: 1 };
+            let op = RuntimeOp {
+                trans_b,
+                group: 1,
+                split_b: false,
+            };
             let y = model.wire_node("mm", op, &[a, b[0]]).unwrap();
             model.select_output_outlets(&y).unwrap();
             let run = super::super::testing::first_output;
