@@ -984,6 +984,16 @@ mod tests {
         }
     }
 
+    /// The files and the parsed `config.json` of the fixture model `name`.
+    fn fixture(name: &str) -> (ModelFiles, serde_json::Value) {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/models")
+            .join(name);
+        let files = ModelFiles::from_dir(&dir, None).unwrap();
+        let config = serde_json::from_slice(&files.config).unwrap();
+        (files, config)
+    }
+
     /// An exported `append` decoder (Llama, as optimum exports SmolLM2) attends to the past
     /// where it lies: every plan's presents hold the new positions only
     /// (`past_where_it_lies`), for one row and for a batch. (Its generations are checked
@@ -992,11 +1002,7 @@ mod tests {
     #[test]
     fn append_plans_read_the_past_where_it_lies() {
         for name in ["gpt2", "gpt2-merged", "llama"] {
-            let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/fixtures/models")
-                .join(name);
-            let files = ModelFiles::from_dir(&dir, None).unwrap();
-            let config: serde_json::Value = serde_json::from_slice(&files.config).unwrap();
+            let (files, config) = fixture(name);
             let mut proto = onnx::decode(&files.model, None, &files.model_name).unwrap();
             crate::model::weights::runtime_matmuls(&mut proto);
             let sig = Arc::new(Signature::read(&proto, &config).unwrap());
@@ -1020,11 +1026,7 @@ mod tests {
     #[test]
     fn initializers_kept_apart_give_the_same_logits() {
         for name in ["gpt2", "gpt2-merged", "llama"] {
-            let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/fixtures/models")
-                .join(name);
-            let files = ModelFiles::from_dir(&dir, None).unwrap();
-            let config: serde_json::Value = serde_json::from_slice(&files.config).unwrap();
+            let (files, config) = fixture(name);
             let whole = onnx::decode(&files.model, None, &files.model_name).unwrap();
             let mut stream = onnx::StreamDecoder::new_apart(&files.model_name).with_large(1024);
             for chunk in files.model.chunks(4093) {

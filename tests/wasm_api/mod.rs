@@ -780,13 +780,22 @@ fn fused_attention_gives_the_bits_of_the_three_ops() {
         let k = model.add_const("k", k).unwrap();
         let v = model.add_const("v", v).unwrap();
         let s = model
-            .wire_node("qk", RuntimeOp { trans_b, group: 1 }, &[q, k])
+            .wire_node(
+                "qk",
+                RuntimeOp {
+                    trans_b,
+                    group: 1,
+                    split_b: false,
+                },
+                &[q, k],
+            )
             .unwrap();
         let softmax = Softmax::new(tvec![batch.len() + 1], None, SoftmaxKind::Softmax);
         let p = model.wire_node("softmax", softmax, &s).unwrap();
         let values = RuntimeOp {
             trans_b: false,
             group: 1,
+            split_b: false,
         };
         let y = model.wire_node("pv", values, &[p[0], v]).unwrap();
         model.select_output_outlets(&y).unwrap();
