@@ -516,6 +516,8 @@ struct QuantizedRow {
 /// as eight 16-bit lanes hold values `4j..4j + 4` in lane `j` (low nibble first), which the
 /// kernel separates with a mask and shifts by 4, 8 and 12 bits; so the group is stored as the
 /// values `4j`, then `4j + 1`, `4j + 2` and `4j + 3` (`j` = 0..8).
+// (The simd128 kernels' shuffles write this order out.)
+#[cfg_attr(all(target_arch = "wasm32", target_feature = "simd128"), allow(dead_code))]
 const fn q4_order(e: usize) -> usize {
     (e % 4) * 8 + e / 4
 }
@@ -528,31 +530,18 @@ impl QuantizedRow {
         let groups = padded / GROUP;
         let mut q = vec![0i16; padded];
         let mut sums = vec![0i32; groups];
-        let mut scales = Vec::with_capacity(groups);
-        // The last group may be partial: its missing values are zeros.
-        for (g, xs) in x.chunks(GROUP).enumerate() {
-            // A comparison, not `f32::max` (a call to fmaxf in wasm); a NaN fails `is_finite`
-            // below or is caught by the check of every value.
-            let max = xs
-                .iter()
-                .fold(0f32, |m, v| if v.abs() > m { v.abs() } else { m });
-            if !max.is_finite() || xs.iter().any(|v| v.is_nan()) {
-                return None;
-            }
-            let scale = max / 32767.0;
+        let mut scales = vec![0f32; groups];
+        let (chunks, _) = q.as_chunks_mut::<GROUP>();
+        for (g, (xs, qs)) in x.chunks(GROUP).zip(chunks).enumerate() {
+            // The last group may be partial: its missing values are zeros.
+            let mut group = [0f32; GROUP];
+            group[..xs.len()].copy_from_slice(xs);
+            let max = kernels::max_abs(&group)?;
+            scales[g] = max / 32767.0;
             if max > 0.0 {
-                let inv = 32767.0 / max;
-                let qs = &mut q[g * GROUP..(g + 1) * GROUP];
-                for (e, x) in xs.iter().enumerate() {
-                    // Ties to even: one `f32.nearest` in wasm (`round` is a call to roundf).
-                    let v = (x * inv).round_ties_even().clamp(-32767.0, 32767.0) as i16;
-                    qs[q4_order(e)] = v;
-                    sums[g] += v as i32;
-                }
+                sums[g] = kernels::quantize_group(&group, 32767.0 / max, qs);
             }
-            scales.push(scale);
         }
-        scales.resize(groups, 0.0);
         Some(QuantizedRow { q, sums, scales })
     }
 }
@@ -712,6 +701,30 @@ fn q8_dot(src: &[u8], x: &[f32], zero: f32) -> f32 {
 mod kernels {
     use super::GROUP;
 
+    /// The largest magnitude of a group of `x` (`QuantizedRow::of`); `None` when a value is
+    /// not finite.
+    pub fn max_abs(group: &[f32; GROUP]) -> Option<f32> {
+        // A comparison, not `f32::max` (a call to fmaxf in wasm).
+        let max = group
+            .iter()
+            .fold(0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+        (max.is_finite() && !group.iter().any(|v| v.is_nan())).then_some(max)
+    }
+
+    /// A group of `x` rounded to 16-bit integers, `x * inv` (ties to even, within +-32767), in
+    /// the kernel's order (`super::q4_order`); returns their sum.
+    pub fn quantize_group(group: &[f32; GROUP], inv: f32, out: &mut [i16; GROUP]) -> i32 {
+        let mut sum = 0;
+        for (e, x) in group.iter().enumerate() {
+            // Ties to even: one `f32.nearest` in wasm (`round` is a call to roundf). A NaN
+            // (`0 * inv` where `inv` overflowed) becomes 0.
+            let v = (x * inv).round_ties_even().clamp(-32767.0, 32767.0) as i16;
+            out[super::q4_order(e)] = v;
+            sum += v as i32;
+        }
+        sum
+    }
+
     /// One column of 4-bit blocks of `bs` (whole groups of 32) as f32, `(q - zero) * scale`
     /// (`super::dequantize_q4_any` block by block).
     pub fn dequantize_q4(
@@ -823,6 +836,64 @@ mod kernels {
     use core::arch::wasm32::*;
 
     use super::GROUP;
+
+    /// The portable `max_abs` with simd128: the same value (a maximum does not depend on the
+    /// order).
+    pub fn max_abs(group: &[f32; GROUP]) -> Option<f32> {
+        let p = group.as_ptr() as *const v128;
+        let (mut max, mut nan) = (f32x4_splat(0.0), i32x4_splat(0));
+        for j in 0..GROUP / 4 {
+            // SAFETY: values 4j..4j + 4 of the group; v128_load accepts unaligned addresses.
+            let x = unsafe { v128_load(p.add(j)) };
+            max = f32x4_pmax(max, f32x4_abs(x));
+            nan = v128_or(nan, f32x4_ne(x, x));
+        }
+        let lanes = [
+            f32x4_extract_lane::<0>(max),
+            f32x4_extract_lane::<1>(max),
+            f32x4_extract_lane::<2>(max),
+            f32x4_extract_lane::<3>(max),
+        ];
+        let max = lanes.into_iter().fold(0f32, |m, v| if v > m { v } else { m });
+        (max.is_finite() && !v128_any_true(nan)).then_some(max)
+    }
+
+    /// The portable `quantize_group` with simd128, the same integers: the values rounded four
+    /// at a time (a NaN converts to 0, an infinity saturates before the clamp), then the eight
+    /// i32x4 narrowed and transposed by shuffles into the kernel's order (lane `j` of output
+    /// vector `r` is value `4j + r`).
+    pub fn quantize_group(group: &[f32; GROUP], inv: f32, out: &mut [i16; GROUP]) -> i32 {
+        let p = group.as_ptr() as *const v128;
+        let (inv, lo, hi) = (f32x4_splat(inv), i32x4_splat(-32767), i32x4_splat(32767));
+        let v: [v128; 8] = core::array::from_fn(|j| {
+            // SAFETY: values 4j..4j + 4 of the group.
+            let x = unsafe { v128_load(p.add(j)) };
+            let r = i32x4_trunc_sat_f32x4(f32x4_nearest(f32x4_mul(x, inv)));
+            i32x4_min(i32x4_max(r, lo), hi)
+        });
+        let total = v.iter().fold(i32x4_splat(0), |t, v| i32x4_add(t, *v));
+        let total = i32x4_add(total, i32x4_shuffle::<2, 3, 0, 1>(total, total));
+        let total = i32x4_add(total, i32x4_shuffle::<1, 0, 3, 2>(total, total));
+        // n[a]: values 8a..8a + 8.
+        let n: [v128; 4] = core::array::from_fn(|a| i16x8_narrow_i32x4(v[2 * a], v[2 * a + 1]));
+        // Values r and r + 1 of each four of two n's: half of output vector r, half of r + 1.
+        let p01 = i16x8_shuffle::<0, 4, 8, 12, 1, 5, 9, 13>(n[0], n[1]);
+        let q01 = i16x8_shuffle::<2, 6, 10, 14, 3, 7, 11, 15>(n[0], n[1]);
+        let p23 = i16x8_shuffle::<0, 4, 8, 12, 1, 5, 9, 13>(n[2], n[3]);
+        let q23 = i16x8_shuffle::<2, 6, 10, 14, 3, 7, 11, 15>(n[2], n[3]);
+        let rows = [
+            i64x2_shuffle::<0, 2>(p01, p23),
+            i64x2_shuffle::<1, 3>(p01, p23),
+            i64x2_shuffle::<0, 2>(q01, q23),
+            i64x2_shuffle::<1, 3>(q01, q23),
+        ];
+        let o = out.as_mut_ptr() as *mut v128;
+        for (r, row) in rows.into_iter().enumerate() {
+            // SAFETY: values 8r..8r + 8 of the 32 of `out`.
+            unsafe { v128_store(o.add(r), row) };
+        }
+        i32x4_extract_lane::<0>(total)
+    }
 
     /// Sixteen bytes as f32, `(q - zero) * scale`, into `dst[0..16]`: the portable kernel's
     /// operations (`q` and `zero` are exact in f32), so the same bits.
