@@ -517,7 +517,10 @@ struct QuantizedRow {
 /// kernel separates with a mask and shifts by 4, 8 and 12 bits; so the group is stored as the
 /// values `4j`, then `4j + 1`, `4j + 2` and `4j + 3` (`j` = 0..8).
 // (The simd128 kernels' shuffles write this order out.)
-#[cfg_attr(all(target_arch = "wasm32", target_feature = "simd128"), allow(dead_code))]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_feature = "simd128"),
+    allow(dead_code)
+)]
 const fn q4_order(e: usize) -> usize {
     (e % 4) * 8 + e / 4
 }
@@ -854,7 +857,9 @@ mod kernels {
             f32x4_extract_lane::<2>(max),
             f32x4_extract_lane::<3>(max),
         ];
-        let max = lanes.into_iter().fold(0f32, |m, v| if v > m { v } else { m });
+        let max = lanes
+            .into_iter()
+            .fold(0f32, |m, v| if v > m { v } else { m });
         (max.is_finite() && !v128_any_true(nan)).then_some(max)
     }
 
