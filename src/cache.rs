@@ -100,15 +100,14 @@ impl KvCache {
         value: (&Tensor, usize),
         counts: &[usize],
     ) -> Result<()> {
-        let lengths = self.lengths.clone();
         let (k, v) = &mut self.layers[layer];
         for (buf, (present, from)) in [(k, key), (v, value)] {
             let buf = Arc::get_mut(buf).ok_or_else(|| {
                 Error::Backend("the KV cache is still borrowed by the graph".into())
             })?;
             match self.dtype {
-                Dtype::F32 => copy_rows::<f32>(buf, present, from, &lengths, counts)?,
-                Dtype::F16 => copy_rows::<f16>(buf, present, from, &lengths, counts)?,
+                Dtype::F32 => copy_rows::<f32>(buf, present, from, &self.lengths, counts)?,
+                Dtype::F16 => copy_rows::<f16>(buf, present, from, &self.lengths, counts)?,
             }
         }
         Ok(())
