@@ -1,23 +1,118 @@
 //! The seam between the generation loop and a backend: a step takes the new tokens of each row
 //! and returns the logits of each row's last new token; the cache lives behind it.
 
+use std::sync::Arc;
+
 use crate::error::Result;
 
 /// The logits of the last new token of each row, `rows x vocab`, row-major.
-#[derive(Debug, Clone, Default, PartialEq)]
+///
+/// With `bounds` (greedy decoding, `DecoderState::bound_logits`), some rows hold upper bounds
+/// of their logits instead, exact only where `is_exact` says: the greedy loop makes exact only
+/// the logits that can win (`generate.rs`).
+#[derive(Debug, Clone, Default)]
 pub struct Logits {
     pub rows: usize,
     pub vocab: usize,
     pub data: Vec<f32>,
+    pub bounds: Option<Bounds>,
+}
+
+/// The last layer of a decoder, computing one row's logits from its input (the hidden state):
+/// exactly the values of the decoder's full logits.
+pub trait Head {
+    /// Logit `j` of `hidden`.
+    fn logit(&self, hidden: &[f32], j: usize) -> Result<f32>;
+    /// Every logit of `hidden` into `out` (`vocab` values).
+    fn logits(&self, hidden: &[f32], out: &mut [f32]) -> Result<()>;
+}
+
+/// The rows of a `Logits` that hold upper bounds, and what makes their logits exact.
+#[derive(Clone)]
+pub struct Bounds {
+    pub head: Arc<dyn Head>,
+    /// Per row: `None` for exact logits; else its hidden state and the tokens whose logit is
+    /// exact (the others are upper bounds).
+    pub rows: Vec<Option<BoundRow>>,
+}
+
+#[derive(Debug, Clone)]
+pub struct BoundRow {
+    pub hidden: Vec<f32>,
+    pub exact: Vec<u32>,
+}
+
+impl std::fmt::Debug for Bounds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bounds").field("rows", &self.rows).finish()
+    }
 }
 
 impl Logits {
+    /// Exact logits.
+    pub fn exact(rows: usize, vocab: usize, data: Vec<f32>) -> Logits {
+        Logits {
+            rows,
+            vocab,
+            data,
+            bounds: None,
+        }
+    }
+
     pub fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.vocab..(r + 1) * self.vocab]
     }
 
     pub fn row_mut(&mut self, r: usize) -> &mut [f32] {
         &mut self.data[r * self.vocab..(r + 1) * self.vocab]
+    }
+
+    fn bound_row(&self, r: usize) -> Option<&BoundRow> {
+        self.bounds.as_ref()?.rows.get(r)?.as_ref()
+    }
+
+    /// Whether row `r` holds upper bounds (some of its logits are not exact).
+    pub fn is_bounded(&self, r: usize) -> bool {
+        self.bound_row(r).is_some()
+    }
+
+    /// Whether logit `j` of row `r` is exact.
+    pub fn is_exact(&self, r: usize, j: u32) -> bool {
+        self.bound_row(r).is_none_or(|b| b.exact.contains(&j))
+    }
+
+    /// Make the logits `tokens` of row `r` exact.
+    pub fn make_exact(&mut self, r: usize, tokens: &[u32]) -> Result<()> {
+        let vocab = self.vocab;
+        let Some(bounds) = self.bounds.as_mut() else {
+            return Ok(());
+        };
+        let Some(Some(row)) = bounds.rows.get_mut(r) else {
+            return Ok(());
+        };
+        for &j in tokens {
+            if (j as usize) < vocab && !row.exact.contains(&j) {
+                self.data[r * vocab + j as usize] = bounds.head.logit(&row.hidden, j as usize)?;
+                row.exact.push(j);
+            }
+        }
+        Ok(())
+    }
+
+    /// Make every logit of row `r` exact.
+    pub fn make_row_exact(&mut self, r: usize) -> Result<()> {
+        let vocab = self.vocab;
+        let Some(bounds) = self.bounds.as_mut() else {
+            return Ok(());
+        };
+        if let Some(slot) = bounds.rows.get_mut(r) {
+            if let Some(row) = slot.take() {
+                bounds
+                    .head
+                    .logits(&row.hidden, &mut self.data[r * vocab..(r + 1) * vocab])?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -46,6 +141,11 @@ pub trait DecoderState {
     fn is_ready_for(&self, rows: usize) -> bool {
         let _ = rows;
         true
+    }
+    /// Greedy decoding: from now on, a step may return upper bounds of a row's logits where
+    /// that reads fewer bytes (`Logits::bounds`). The default returns exact logits.
+    fn bound_logits(&mut self, on: bool) {
+        let _ = on;
     }
     /// Whether rows whose lengths differ may run in one step (false: `grow` mode, where rows of
     /// one step must have equal lengths and equal numbers of new tokens).

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use crate::config::GenerationConfig;
-use crate::decoder::DecoderState;
+use crate::decoder::{DecoderState, Logits};
 use crate::error::{invalid, Error, Result};
 use crate::model::{EncoderInput, Model};
 use crate::processors::stop_strings::StopStrings;
@@ -439,8 +439,11 @@ impl Generation {
                 .collect();
             let encoder = self.encoder.as_ref().map(|e| (e, rows_of.as_slice()));
             let prompts = self.prompt_inputs.as_ref().map(|p| (p, rows_of.as_slice()));
-            self.groups[g].state =
-                Some(model.start_rows(rows_of.len(), capacity, encoder, prompts)?);
+            let mut state = model.start_rows(rows_of.len(), capacity, encoder, prompts)?;
+            // Greedy decoding without scores reads bounds of the logits where they are cheaper.
+            let scores = self.config.output_scores || self.config.top_logprobs > 0;
+            state.bound_logits(self.sampler.is_none() && !scores);
+            self.groups[g].state = Some(state);
         }
         let group = &mut self.groups[g];
         let state = group
@@ -479,8 +482,9 @@ impl Generation {
                 }
             })
             .collect();
-        let logits = state.step(&tokens)?;
+        let mut logits = state.step(&tokens)?;
         self.steps += 1;
+        let want_logprobs = self.config.output_scores || self.config.top_logprobs > 0;
 
         let mut events = vec![];
         for (i, &r) in group.active.iter().enumerate() {
@@ -490,33 +494,38 @@ impl Generation {
                 continue;
             }
             // The row's last token is in the cache: choose the next one.
-            let mut scores = logits.row(i).to_vec();
             let ctx = RowContext {
                 row: r,
                 ids: &row.ids,
                 prompt_len: row.prompt_len,
                 max_length: row.prompt_len + row.budget,
             };
-            self.chain.apply(&ctx, &mut scores)?;
-            let token = match self.sampler.as_mut() {
-                Some(sampler) => sampler.sample(r, &scores)?,
-                None => search::argmax(&scores),
-            };
-            // Scores and log-probs only when asked for.
-            let want_logprobs = self.config.output_scores || self.config.top_logprobs > 0;
             let mut logprob = None;
             let mut top = None;
-            if want_logprobs {
-                let lp = search::log_softmax_at(&scores, token as usize);
-                row.scores.push(scores[token as usize]);
-                row.logprobs.push(lp);
-                logprob = Some(lp);
-            }
-            if self.config.top_logprobs > 0 {
-                let t = search::top_logprobs(&scores, self.config.top_logprobs);
-                row.top_logprobs.push(t.clone());
-                top = Some(t);
-            }
+            let token = if logits.is_bounded(i) && self.sampler.is_none() && !want_logprobs {
+                bounded_argmax(&mut logits, i, &ctx, &mut self.chain)?
+            } else {
+                logits.make_row_exact(i)?;
+                let mut scores = logits.row(i).to_vec();
+                self.chain.apply(&ctx, &mut scores)?;
+                let token = match self.sampler.as_mut() {
+                    Some(sampler) => sampler.sample(r, &scores)?,
+                    None => search::argmax(&scores),
+                };
+                // Scores and log-probs only when asked for.
+                if want_logprobs {
+                    let lp = search::log_softmax_at(&scores, token as usize);
+                    row.scores.push(scores[token as usize]);
+                    row.logprobs.push(lp);
+                    logprob = Some(lp);
+                }
+                if self.config.top_logprobs > 0 {
+                    let t = search::top_logprobs(&scores, self.config.top_logprobs);
+                    row.top_logprobs.push(t.clone());
+                    top = Some(t);
+                }
+                token
+            };
             let is_eos = self.config.eos_ids().contains(&token);
             let mut text = String::new();
             if is_eos {
@@ -608,6 +617,45 @@ impl Generation {
     }
 }
 
+/// The most logits that `bounded_argmax` makes exact one at a time before it computes the
+/// whole row (bounds that rarely separate the winner, as a model's could).
+const MAX_REFINED: usize = 64;
+
+/// Greedy decoding's token for row `i` of `logits`, a row of upper bounds of the logits
+/// (`Logits::bounds`): the token of the exact logits, ties included. The chain runs on the
+/// bounds, which its processors map to bounds of their scores once the logits they need are
+/// exact (`LogitsProcessor::on_bounds`); while the winner's score is only a bound, its logit is
+/// made exact and the chain runs again. An exact winner's score is then at least every
+/// token's exact score, and more than that of every token before it, so `argmax` (the first
+/// largest, as `torch.argmax`) gives the same token on the exact scores.
+fn bounded_argmax(
+    logits: &mut Logits,
+    i: usize,
+    ctx: &RowContext,
+    chain: &mut Chain,
+) -> Result<u32> {
+    match chain.exact_needed(ctx) {
+        Some(tokens) => logits.make_exact(i, &tokens)?,
+        None => logits.make_row_exact(i)?,
+    }
+    let mut scores = Vec::with_capacity(logits.vocab);
+    let mut refined = 0;
+    loop {
+        if refined == MAX_REFINED {
+            logits.make_row_exact(i)?;
+        }
+        scores.clear();
+        scores.extend_from_slice(logits.row(i));
+        chain.apply(ctx, &mut scores)?;
+        let token = search::argmax(&scores);
+        if logits.is_exact(i, token) {
+            return Ok(token);
+        }
+        logits.make_exact(i, &[token])?;
+        refined += 1;
+    }
+}
+
 /// One group of all rows, or in `grow` mode one group per prompt length.
 fn group_rows(model: &Model, rows: &[Row]) -> Vec<Group> {
     let lengths: Vec<usize> = rows.iter().map(|r| r.prompt_len).collect();
@@ -668,5 +716,137 @@ impl Model {
     ) -> Result<Output> {
         let ids = self.tokenizer.encode(prompt, true)?;
         self.generate(&[ids], options, on_token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::GenerationConfig;
+    use crate::decoder::{BoundRow, Bounds, Head};
+
+    /// A head whose exact logits are given.
+    struct Exact(Vec<f32>);
+
+    impl Head for Exact {
+        fn logit(&self, _: &[f32], j: usize) -> Result<f32> {
+            Ok(self.0[j])
+        }
+        fn logits(&self, _: &[f32], out: &mut [f32]) -> Result<()> {
+            out.copy_from_slice(&self.0);
+            Ok(())
+        }
+    }
+
+    /// Reads every score: the chain then needs every logit exact.
+    struct Shift;
+
+    impl LogitsProcessor for Shift {
+        fn process(&mut self, _: &RowContext, scores: &mut [f32]) -> Result<()> {
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            scores.iter_mut().for_each(|s| *s -= max);
+            Ok(())
+        }
+    }
+
+    /// Greedy decoding on upper bounds of the logits gives the token of the exact logits,
+    /// with each kind of processor (monotone, needing some logits exact, needing all), on
+    /// logits with ties and bounds from exact to far above.
+    #[test]
+    fn bounded_argmax_is_the_exact_argmax() {
+        let vocab = 40;
+        let configs: Vec<GenerationConfig> = vec![
+            GenerationConfig::default(),
+            GenerationConfig {
+                repetition_penalty: 1.3,
+                ..Default::default()
+            },
+            GenerationConfig {
+                repetition_penalty: 0.6,
+                no_repeat_ngram_size: 2,
+                ..Default::default()
+            },
+            GenerationConfig {
+                eos_token_id: Some(vec![2, 5]),
+                exponential_decay_length_penalty: Some((0, 4.0)),
+                min_new_tokens: Some(1),
+                ..Default::default()
+            },
+            GenerationConfig {
+                eos_token_id: Some(vec![2]),
+                sequence_bias: Some(vec![(vec![7], 2.5), (vec![9, 8], -1.0)]),
+                suppress_tokens: Some(vec![1, 3]),
+                ..Default::default()
+            },
+            GenerationConfig {
+                renormalize_logits: true,
+                ..Default::default()
+            },
+        ];
+        let ids: Vec<u32> = vec![4, 9, 7, 8, 9, 11, 30];
+        let ctx = RowContext {
+            row: 0,
+            ids: &ids,
+            prompt_len: 3,
+            max_length: 20,
+        };
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let mut refined = 0;
+        for (c, config) in configs.iter().enumerate() {
+            for custom in [false, true] {
+                for trial in 0..200 {
+                    // Quarter steps, so that ties are common; the winners often near the top.
+                    let exact: Vec<f32> = (0..vocab)
+                        .map(|_| (next() * 16.0).floor() / 4.0 - 2.0)
+                        .collect();
+                    let bounds: Vec<f32> = exact
+                        .iter()
+                        .map(|&e| match (next() * 3.0) as u32 {
+                            0 => e,
+                            1 => e + next() * 0.5,
+                            _ => e + next() * 4.0,
+                        })
+                        .collect();
+                    let extra = || -> Vec<Box<dyn LogitsProcessor>> {
+                        match custom {
+                            true => vec![Box::new(Shift)],
+                            false => vec![],
+                        }
+                    };
+                    let mut chain = Chain::build(config, vocab, extra()).unwrap();
+                    let mut scores = exact.clone();
+                    chain.apply(&ctx, &mut scores).unwrap();
+                    let want = search::argmax(&scores);
+                    let mut logits = Logits {
+                        rows: 1,
+                        vocab,
+                        data: bounds,
+                        bounds: Some(Bounds {
+                            head: Arc::new(Exact(exact.clone())),
+                            rows: vec![Some(BoundRow {
+                                hidden: vec![],
+                                exact: vec![],
+                            })],
+                        }),
+                    };
+                    let mut chain = Chain::build(config, vocab, extra()).unwrap();
+                    let got = bounded_argmax(&mut logits, 0, &ctx, &mut chain).unwrap();
+                    assert_eq!(got, want, "config {c}, custom {custom}, trial {trial}");
+                    if logits.is_bounded(0) {
+                        refined += 1;
+                    }
+                }
+            }
+        }
+        // The rows of the chains without a processor that reads every score kept bounds.
+        assert_eq!(refined, 5 * 200, "rows that kept bounds");
     }
 }

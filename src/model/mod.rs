@@ -4,6 +4,7 @@
 pub mod cse;
 pub mod embeddings;
 pub mod files;
+pub mod lm_head;
 pub mod onnx;
 pub mod ops;
 pub mod optimizer;

@@ -2,17 +2,19 @@
 //! past lengths, so every step of every request runs the same plan (no recompilation).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tract_onnx::pb;
 use tract_onnx::prelude::*;
 
 use crate::cache::KvCache;
-use crate::decoder::{Decoder, DecoderState, Logits};
+use crate::decoder::{BoundRow, Bounds, Decoder, DecoderState, Logits};
 use crate::error::{backend, Error, Result};
 use crate::model::embeddings::Embedder;
+use crate::model::lm_head::LmHead;
 use crate::model::onnx::{into_typed, is_number, specialize_bool_input, Apart, Decoded};
 use crate::model::ops::matmul_runtime::past_where_it_lies;
+use crate::model::ops::matmul_weights::{Weights, WeightsOp};
 use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32};
 use crate::vision::RowInputs;
 
@@ -46,6 +48,9 @@ struct Plan {
     /// past the attention reads where it lies: `matmul_runtime::past_where_it_lies`), not the
     /// past and new ones.
     new_only: Vec<bool>,
+    /// The graph's last op, the `lm_head`, when the engine computes it outside the plan
+    /// (`lm_head.rs`): output `logits` is then that op's input, the hidden state.
+    head: Option<Arc<LmHead>>,
 }
 
 /// A decoder-only graph compiled by tract.
@@ -67,6 +72,8 @@ struct Inner {
     vocab: usize,
     /// The token embeddings of a decoder that reads `inputs_embeds`.
     embed: Option<Embedder>,
+    /// The `lm_head` computed outside the plans, shared by them (its int8 copy made once).
+    head: OnceLock<Arc<LmHead>>,
 }
 
 impl TractDecoder {
@@ -145,6 +152,7 @@ impl TractDecoder {
             plans: Mutex::new(HashMap::new()),
             vocab,
             embed,
+            head: OnceLock::new(),
         }));
         // Compile the plan of one row now, so that a graph tract cannot run fails at load time.
         decoder.0.plan(1, false)?;
@@ -200,6 +208,7 @@ impl TractDecoder {
             cache,
             broken: false,
             rows: row_inputs,
+            bounded: false,
         }))
     }
 }
@@ -219,7 +228,16 @@ impl Inner {
             _ => &self.template,
         };
         let width = self.embed.as_ref().map(|e| e.hidden);
-        let plan = Arc::new(compile(template.clone(), &self.sig, batch, width)?);
+        // Every plan of a decoder has the same `lm_head`; the first one compiled keeps it.
+        let head_of = |op: Weights, weight: Arc<Tensor>, dt: DatumType| match self.head.get() {
+            Some(h) if h.is_for(&op, &weight) => Some(h.clone()),
+            Some(_) => LmHead::new(op, weight, dt).map(Arc::new),
+            None => {
+                let h = Arc::new(LmHead::new(op, weight, dt)?);
+                Some(self.head.get_or_init(|| h).clone())
+            }
+        };
+        let plan = Arc::new(compile(template.clone(), &self.sig, batch, width, head_of)?);
         plans.insert((batch, first), plan.clone());
         Ok(plan)
     }
@@ -432,6 +450,7 @@ fn compile(
     sig: &Signature,
     batch: usize,
     embed_width: Option<usize>,
+    head_of: impl FnOnce(Weights, Arc<Tensor>, DatumType) -> Option<Arc<LmHead>>,
 ) -> Result<Plan> {
     let b = TDim::from(batch);
     let s = TDim::from(model.symbols.sym("sequence"));
@@ -551,6 +570,7 @@ fn compile(
     } else {
         vec![false; typed.outputs.len()]
     };
+    let head = cut_lm_head(&mut typed, logits, head_of).map_err(backend)?;
     let runnable = typed.into_runnable().map_err(backend)?;
     Ok(Plan {
         runnable,
@@ -558,7 +578,32 @@ fn compile(
         logits,
         presents,
         new_only,
+        head,
     })
+}
+
+/// When the logits output is a `MatMulWeights` of a constant weight that `LmHead` can compute
+/// one logit at a time, the output becomes that op's input (the plan then leaves the op out),
+/// and the engine computes the logits (`TractState::logits`).
+fn cut_lm_head(
+    typed: &mut TypedModel,
+    logits: usize,
+    head_of: impl FnOnce(Weights, Arc<Tensor>, DatumType) -> Option<Arc<LmHead>>,
+) -> TractResult<Option<Arc<LmHead>>> {
+    let node = typed.node(typed.output_outlets()?[logits].node);
+    let Some(op) = node.op_as::<WeightsOp>() else {
+        return Ok(None);
+    };
+    let (a, b) = (node.inputs[0], node.inputs[1]);
+    let Some(weight) = typed.outlet_fact(b)?.konst.clone() else {
+        return Ok(None);
+    };
+    let dt = typed.outlet_fact(a)?.datum_type;
+    let Some(head) = head_of(op.0.clone(), weight, dt) else {
+        return Ok(None);
+    };
+    typed.outputs[logits] = a;
+    Ok(Some(head))
 }
 
 /// The graph typed with one analysis (`typing.rs`), tract's declutter and codegen passes,
@@ -642,6 +687,9 @@ struct TractState {
     broken: bool,
     /// The prompt of each row and the request's image features and positions.
     rows: Option<RowInputs>,
+    /// Greedy decoding: a decoding step of one row returns upper bounds of its logits
+    /// (`DecoderState::bound_logits`).
+    bounded: bool,
 }
 
 impl DecoderState for TractState {
@@ -657,11 +705,7 @@ impl DecoderState for TractState {
         let seq = counts.iter().copied().max().unwrap_or(0);
         let vocab = self.decoder.vocab;
         if seq == 0 {
-            return Ok(Logits {
-                rows,
-                vocab,
-                data: vec![0.0; rows * vocab],
-            });
+            return Ok(Logits::exact(rows, vocab, vec![0.0; rows * vocab]));
         }
         match self.decoder.sig.cache_mode {
             CacheMode::Grow => self.step_grow(tokens, seq),
@@ -692,6 +736,10 @@ impl DecoderState for TractState {
 
     fn rows_may_differ(&self) -> bool {
         self.decoder.sig.cache_mode != CacheMode::Grow
+    }
+
+    fn bound_logits(&mut self, on: bool) {
+        self.bounded = on;
     }
 }
 
@@ -747,7 +795,7 @@ impl TractState {
             self.cache.append(l, key, value, counts)?;
         }
         self.cache.advance(counts);
-        last_logits(&outputs[plan.logits], counts, self.decoder.vocab)
+        self.logits(&plan, &outputs[plan.logits], counts)
     }
 
     /// `in_place` (GroupQueryAttention, past and present share one buffer): every row gets
@@ -789,7 +837,7 @@ impl TractState {
         }
         self.broken = false;
         self.cache.advance(counts);
-        last_logits(&outputs[plan.logits], counts, self.decoder.vocab)
+        self.logits(&plan, &outputs[plan.logits], counts)
     }
 
     /// `grow`: every row has the same length and the same number of new tokens; the presents
@@ -816,7 +864,7 @@ impl TractState {
             self.cache.layers[l] = (key, value);
         }
         self.cache.advance(&vec![seq; rows]);
-        last_logits(&outputs[plan.logits], &counts, self.decoder.vocab)
+        self.logits(&plan, &outputs[plan.logits], &counts)
     }
 
     /// Run `plan` on `ids` (`rows x seq`, each row's `counts[r]` tokens then padding), before
@@ -882,6 +930,54 @@ impl TractState {
 }
 
 impl TractState {
+    /// The logits of each row's last new token from the plan's output `out`: the logits
+    /// themselves, or the hidden state when the engine computes the `lm_head` (`Plan::head`),
+    /// with the op's values. A decoding step of one row in greedy decoding (`bounded`) gets
+    /// upper bounds of its logits when they exist (`LmHead::bounds`).
+    fn logits(&self, plan: &Plan, out: &Tensor, counts: &[usize]) -> Result<Logits> {
+        let vocab = self.decoder.vocab;
+        let Some(head) = &plan.head else {
+            return last_logits(out, counts, vocab);
+        };
+        let hidden = out.cast_to::<f32>().map_err(backend)?;
+        let hidden = hidden
+            .try_as_plain_ram()
+            .map_err(backend)?
+            .as_slice::<f32>()
+            .map_err(backend)?;
+        let k = head.hidden_width();
+        let shape = out.shape();
+        let all_rows = hidden.len() / k.max(1);
+        if shape.len() != 3 || hidden.len() != all_rows * k {
+            return Err(Error::Backend(format!(
+                "the lm_head's input has shape {shape:?}; expected [batch, sequence, {k}]"
+            )));
+        }
+        if self.bounded && all_rows == 1 && counts == [1] {
+            let mut data = vec![0f32; vocab];
+            if head.bounds(hidden, &mut data)? {
+                let row = BoundRow {
+                    hidden: hidden.to_vec(),
+                    exact: vec![],
+                };
+                return Ok(Logits {
+                    rows: 1,
+                    vocab,
+                    data,
+                    bounds: Some(Bounds {
+                        head: head.clone(),
+                        rows: vec![Some(row)],
+                    }),
+                });
+            }
+        }
+        // The op's product over all its rows, as the plan would have run it.
+        let mut all = vec![0f32; all_rows * head.vocab()];
+        head.full(hidden, all_rows, &mut all)?;
+        let all = Tensor::from_shape(&[shape[0], shape[1], head.vocab()], &all).map_err(backend)?;
+        last_logits(&all, counts, vocab)
+    }
+
     /// The embeddings of a step's ids, `[rows, seq, hidden]`: the embeddings model's, with the
     /// rows of image features in place of the prompt's image tokens.
     fn embeddings(&self, ids: &[i64], counts: &[usize], seq: usize) -> Result<Tensor> {
@@ -945,7 +1041,7 @@ pub(crate) fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Re
         let at = (r * seq + (counts[r] - 1).min(seq - 1)) * vocab;
         data[r * vocab..(r + 1) * vocab].copy_from_slice(&all[at..at + vocab]);
     }
-    Ok(Logits { rows, vocab, data })
+    Ok(Logits::exact(rows, vocab, data))
 }
 
 #[cfg(test)]
@@ -981,6 +1077,7 @@ mod tests {
             cache,
             broken: false,
             rows: None,
+            bounded: false,
         }
     }
 
@@ -1052,6 +1149,84 @@ mod tests {
             assert!(!a.0.is_empty() && !a.1.is_empty(), "{name}");
             assert_eq!(bits(&a.0), bits(&b.0), "{name}: the prompt step");
             assert_eq!(bits(&a.1), bits(&b.1), "{name}: the next step");
+        }
+    }
+
+    /// The `lm_head` computed outside the plan (`Plan::head`) gives the plan's own logits bit
+    /// for bit: each fixture decoder against a plan compiled with its `lm_head` inside, for a
+    /// prompt and decoding steps, one row and two. In greedy decoding (`bounded`) a decoding
+    /// step of one row gives upper bounds of those logits, which become them exactly.
+    #[test]
+    fn lm_head_outside_the_plan_gives_the_plan_logits() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for name in ["gpt2", "gpt2-merged", "llama", "llama-genai"] {
+            let (files, config) = fixture(name);
+            let external = files.external_data.as_deref();
+            let proto = onnx::decode(&files.model, external, &files.model_name).unwrap();
+            let sig = Arc::new(Signature::read(&proto, &config).unwrap());
+            let vocab = config["vocab_size"].as_u64().unwrap() as usize;
+            let cut = TractDecoder::new(proto, sig.clone(), vocab, None).unwrap();
+            assert!(cut.0.plan(1, false).unwrap().head.is_some(), "{name}");
+            let mut plans = HashMap::new();
+            for rows in [1, 2] {
+                let uncut = compile(cut.0.template.clone(), &sig, rows, None, |_, _, _| None);
+                plans.insert((rows, false), Arc::new(uncut.unwrap()));
+            }
+            let whole = TractDecoder(Arc::new(Inner {
+                sig: sig.clone(),
+                template: cut.0.template.clone(),
+                first_template: None,
+                plans: Mutex::new(plans),
+                vocab,
+                embed: None,
+                head: OnceLock::new(),
+            }));
+            assert!(whole.0.plan(1, false).unwrap().head.is_none());
+            for rows in [1, 2] {
+                let steps: Vec<Vec<Vec<u32>>> = vec![
+                    vec![vec![1, 5, 9, 2], vec![4, 4, 3, 8]][..rows].to_vec(),
+                    vec![vec![7], vec![6]][..rows].to_vec(),
+                    vec![vec![3], vec![11]][..rows].to_vec(),
+                ];
+                let mut a = whole.start(rows, 16).unwrap();
+                let mut b = cut.start(rows, 16).unwrap();
+                let mut c = cut.start(rows, 16).unwrap();
+                c.bound_logits(true);
+                for (s, step) in steps.iter().enumerate() {
+                    let tokens: Vec<&[u32]> = step.iter().map(|t| t.as_slice()).collect();
+                    let exact = a.step(&tokens).unwrap();
+                    assert!(exact.bounds.is_none());
+                    let b = b.step(&tokens).unwrap();
+                    assert!(b.bounds.is_none(), "{name}: bounds without asking");
+                    assert_eq!(
+                        bits(&exact.data),
+                        bits(&b.data),
+                        "{name}, {rows} rows, step {s}"
+                    );
+                    let mut c = c.step(&tokens).unwrap();
+                    // Bounds only for a decoding step of one row.
+                    assert_eq!(c.is_bounded(0), rows == 1 && s > 0, "{name}, step {s}");
+                    for (j, (&e, &u)) in exact.data.iter().zip(&c.data).enumerate() {
+                        assert!(
+                            e <= u,
+                            "{name}, step {s}: logit {j} {e} above its bound {u}"
+                        );
+                    }
+                    if c.is_bounded(0) {
+                        let some = [0, 3, vocab as u32 - 1];
+                        c.make_exact(0, &some).unwrap();
+                        for j in some {
+                            assert!(c.is_exact(0, j));
+                            let (e, v) = (exact.data[j as usize], c.data[j as usize]);
+                            assert_eq!(e.to_bits(), v.to_bits(), "{name}: logit {j}");
+                        }
+                        assert!(!c.is_exact(0, 1));
+                        c.make_row_exact(0).unwrap();
+                        assert!(!c.is_bounded(0) && c.is_exact(0, 1));
+                    }
+                    assert_eq!(bits(&exact.data), bits(&c.data), "{name}, step {s}");
+                }
+            }
         }
     }
 

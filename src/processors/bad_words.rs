@@ -1,7 +1,7 @@
 //! `sequence_bias` and `bad_words_ids` (a bias of `-inf`): transformers'
 //! `SequenceBiasLogitsProcessor` and `NoBadWordsLogitsProcessor`.
 
-use super::{LogitsProcessor, RowContext};
+use super::{LogitsProcessor, OnBounds, RowContext};
 use crate::error::{invalid, Result};
 
 /// Adds a bias to the last token of each biased sequence whose other tokens end the row.
@@ -95,6 +95,11 @@ impl LogitsProcessor for SequenceBias {
             }
         }
         Ok(())
+    }
+
+    // Adds a constant to a token's score, or sets it to -inf.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
     }
 }
 

@@ -1,6 +1,6 @@
 //! `forced_bos_token_id` and `forced_eos_token_id`.
 
-use super::{LogitsProcessor, RowContext};
+use super::{LogitsProcessor, OnBounds, RowContext};
 use crate::error::Result;
 
 fn force(scores: &mut [f32], ids: &[u32]) {
@@ -31,6 +31,11 @@ impl LogitsProcessor for ForcedBos {
         }
         Ok(())
     }
+
+    // Sets every score to a constant.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
+    }
 }
 
 /// transformers' `ForcedEOSTokenLogitsProcessor`: at `max_length - 1` the next token is an eos
@@ -51,6 +56,11 @@ impl LogitsProcessor for ForcedEos {
             force(scores, &self.eos);
         }
         Ok(())
+    }
+
+    // Sets every score to a constant.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
     }
 }
 

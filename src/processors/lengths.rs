@@ -1,6 +1,6 @@
 //! `min_length` and `min_new_tokens`: eos tokens are banned until the row is long enough.
 
-use super::{LogitsProcessor, RowContext};
+use super::{LogitsProcessor, OnBounds, RowContext};
 use crate::error::Result;
 
 fn ban_eos(scores: &mut [f32], eos: &[u32]) {
@@ -44,6 +44,11 @@ impl LogitsProcessor for MinLength {
         }
         Ok(())
     }
+
+    // Sets scores to -inf.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
+    }
 }
 
 /// transformers' `MinNewTokensLengthLogitsProcessor`: eos is banned while fewer than
@@ -68,6 +73,11 @@ impl LogitsProcessor for MinNewTokens {
             ban_eos(scores, &self.eos);
         }
         Ok(())
+    }
+
+    // Sets scores to -inf.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
     }
 }
 

@@ -61,6 +61,27 @@ impl RowContext<'_> {
 /// sampling warpers.
 pub trait LogitsProcessor {
     fn process(&mut self, ctx: &RowContext, scores: &mut [f32]) -> Result<()>;
+
+    /// What the processor needs to turn upper bounds of the logits into upper bounds of its
+    /// scores (greedy decoding computes exactly only the logits that can win:
+    /// `decoder::Bounds`). The default, for processors that read every score (custom ones
+    /// among them): every logit exact.
+    fn on_bounds(&self, ctx: &RowContext) -> OnBounds {
+        let _ = ctx;
+        OnBounds::AllExact
+    }
+}
+
+/// See [`LogitsProcessor::on_bounds`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum OnBounds {
+    /// Each token's new score is a non-decreasing function of its own score (given the
+    /// context): a bound in gives a bound out, an exact score an exact one.
+    Monotone,
+    /// Every score stays as it is except those of these tokens, which must be exact.
+    ExactAt(Vec<u32>),
+    /// Every score must be exact.
+    AllExact,
 }
 
 /// What the chain builder needs beyond the configuration.
@@ -233,6 +254,20 @@ impl Chain {
 
     pub fn len(&self) -> usize {
         self.processors.len()
+    }
+
+    /// The logits that must be exact for the chain to map upper bounds of the logits to upper
+    /// bounds of its scores (and exact logits to exact scores): `None` for all of them.
+    pub fn exact_needed(&self, ctx: &RowContext) -> Option<Vec<u32>> {
+        let mut tokens = vec![];
+        for p in &self.processors {
+            match p.on_bounds(ctx) {
+                OnBounds::Monotone => {}
+                OnBounds::ExactAt(t) => tokens.extend(t),
+                OnBounds::AllExact => return None,
+            }
+        }
+        Some(tokens)
     }
 
     /// Apply every processor to one row's scores.

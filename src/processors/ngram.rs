@@ -1,7 +1,7 @@
 //! `no_repeat_ngram_size` and `encoder_no_repeat_ngram_size`: ban the token that would repeat
 //! an n-gram (of the sequence, or of the encoder input).
 
-use super::{LogitsProcessor, RowContext};
+use super::{LogitsProcessor, OnBounds, RowContext};
 use crate::error::{invalid, Result};
 
 /// The tokens that followed each earlier occurrence of `prefix` (of length `n - 1`) in `ids`:
@@ -54,6 +54,11 @@ impl LogitsProcessor for NoRepeatNGram {
         ban(scores, &self.banned);
         Ok(())
     }
+
+    // Sets scores to -inf.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
+    }
 }
 
 /// transformers' `EncoderNoRepeatNGramLogitsProcessor`: the decoder may not repeat an n-gram of
@@ -103,6 +108,11 @@ impl LogitsProcessor for EncoderNoRepeatNGram {
         followers(encoder, self.n, prefix, &mut self.banned);
         ban(scores, &self.banned);
         Ok(())
+    }
+
+    // Sets scores to -inf.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
     }
 }
 

@@ -1,7 +1,7 @@
 //! Penalties on tokens already seen: `repetition_penalty`, `encoder_repetition_penalty`, and
 //! the length penalty on eos tokens `exponential_decay_length_penalty`.
 
-use super::{LogitsProcessor, RowContext};
+use super::{LogitsProcessor, OnBounds, RowContext};
 use crate::error::{invalid, Result};
 
 /// Divide positive scores, multiply negative scores by `penalty` at every token id of `ids`.
@@ -50,6 +50,11 @@ impl LogitsProcessor for RepetitionPenalty {
         penalize(scores, ctx.ids, self.penalty, &mut self.buf);
         Ok(())
     }
+
+    // `s * penalty` below zero, `s / penalty` above, with `penalty > 0`: non-decreasing.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
+    }
 }
 
 /// transformers' `EncoderRepetitionPenaltyLogitsProcessor`: the tokens of the encoder input are
@@ -97,6 +102,11 @@ impl LogitsProcessor for EncoderRepetitionPenalty {
         penalize(scores, ids, self.inverse, &mut self.buf);
         Ok(())
     }
+
+    // `s * penalty` below zero, `s / penalty` above, with `penalty > 0`: non-decreasing.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
+    }
 }
 
 /// transformers' `ExponentialDecayLengthPenalty`: after `start` new tokens, the eos scores grow
@@ -128,6 +138,16 @@ impl LogitsProcessor for ExponentialDecayLengthPenalty {
             }
         }
         Ok(())
+    }
+
+    // `s + |s| grow` is not monotone for `grow > 1`: the eos logits must be exact (they are
+    // the only scores it changes).
+    fn on_bounds(&self, ctx: &RowContext) -> OnBounds {
+        if ctx.cur_len() > self.start + ctx.prompt_len {
+            OnBounds::ExactAt(self.eos.clone())
+        } else {
+            OnBounds::Monotone
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! `suppress_tokens` and `begin_suppress_tokens`.
 
-use super::{LogitsProcessor, RowContext};
+use super::{LogitsProcessor, OnBounds, RowContext};
 use crate::error::Result;
 
 fn suppress(scores: &mut [f32], ids: &[u32]) {
@@ -35,6 +35,11 @@ impl LogitsProcessor for Suppress {
         suppress(scores, &self.ids);
         Ok(())
     }
+
+    // Sets scores to -inf.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
+    }
 }
 
 /// transformers' `SuppressTokensAtBeginLogitsProcessor`: these tokens are not the first
@@ -65,6 +70,11 @@ impl LogitsProcessor for BeginSuppress {
             suppress(scores, &self.ids);
         }
         Ok(())
+    }
+
+    // Sets scores to -inf.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
     }
 }
 

@@ -818,3 +818,14 @@ fn fused_attention_gives_the_bits_of_the_three_ops() {
         );
     }
 }
+
+#[path = "../support/lm_head.rs"]
+mod lm_head;
+
+/// The bounds of greedy decoding's `lm_head` with the simd128 int8 kernel: at least each
+/// logit, close above it, and each logit one at a time bit for bit the full product's
+/// (tests/support/lm_head.rs; natively tests/lm_head_bounds.rs).
+#[wasm_bindgen_test]
+fn lm_head_bounds_hold_with_the_simd128_kernel() {
+    lm_head::check_bounds();
+}

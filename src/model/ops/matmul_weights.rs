@@ -201,19 +201,7 @@ impl EvalOp for WeightsOp {
         }
         let rows = x.len() / k;
         let mut out = vec![0f32; rows * n];
-        let w = inputs[1].try_as_plain_ram()?;
-        let w = if inputs[1].datum_type() == f16::datum_type() {
-            let w = w.as_slice::<f16>()?;
-            // SAFETY: f16 is a transparent wrapper of u16.
-            W::F16(unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u16, w.len()) })
-        } else {
-            W::F32(w.as_slice::<f32>()?)
-        };
-        let parts = super::parallel::parts_for(rows * k * n);
-        if op.layout == Layout::Panels && matches!(w, W::F16(_)) {
-            bail!("{}: float16 weights are not stored in panels", op.label);
-        }
-        matmul(x, rows, w, k, n, op.layout, parts, &mut out);
+        product(op, x, rows, &inputs[1], &mut out)?;
         let mut shape: TVec<usize> = a.shape().into();
         if let Some(last) = shape.last_mut() {
             *last = n;
@@ -225,6 +213,77 @@ impl EvalOp for WeightsOp {
             out.cast_to_dt(dt)?.into_owned()
         };
         Ok(tvec!(out.into_tvalue()))
+    }
+}
+
+/// `out = x @ B` for `rows` rows of `x` (`[rows, k]`) and the op's weight `b`: the op's
+/// values (the `lm_head` outside the plan computes its logits with this: `model::lm_head`).
+pub fn product(
+    op: &Weights,
+    x: &[f32],
+    rows: usize,
+    b: &Tensor,
+    out: &mut [f32],
+) -> TractResult<()> {
+    let (k, n) = (op.k, op.n);
+    if x.len() != rows * k || b.len() != k * n || out.len() != rows * n {
+        bail!(
+            "{}: {rows} rows of A in {} values, B {} values, {} outputs (K={k}, N={n})",
+            op.label,
+            x.len(),
+            b.len(),
+            out.len()
+        );
+    }
+    let w = weight_values(op, b)?;
+    let parts = super::parallel::parts_for(rows * k * n);
+    matmul(x, rows, w, k, n, op.layout, parts, out);
+    Ok(())
+}
+
+/// Output `j` of one row `x` times the op's weight `b`: the value [`product`] gives it (a
+/// decoding step's `lm_head` one logit at a time). Not for `[K, N]` weights, whose one-row
+/// kernel sums each output in an order that depends on its neighbours.
+pub fn one_output(op: &Weights, x: &[f32], b: &Tensor, j: usize) -> TractResult<f32> {
+    let (k, n) = (op.k, op.n);
+    if x.len() != k || j >= n || op.layout == Layout::Kn {
+        bail!(
+            "{}: output {j} of a row of {} values (K={k}, N={n}, {:?})",
+            op.label,
+            x.len(),
+            op.layout
+        );
+    }
+    let row = j * k..(j + 1) * k;
+    // `matmul_nk`'s one-row kernels: a whole panel's four sums, or one dot product.
+    Ok(match weight_values(op, b)? {
+        W::F32(w) if op.layout == Layout::Panels && j / COLS * COLS + COLS <= n => {
+            let first = j / COLS * COLS;
+            dot_panel(x, &w[first * k..(first + COLS) * k])[j - first]
+        }
+        W::F32(w) => dot(x, &w[row]),
+        W::F16(w) => {
+            let mut out = [0f32];
+            matvec_f16_nk(x, &w[row], &mut out);
+            out[0]
+        }
+    })
+}
+
+/// The values of the op's weight `b`.
+fn weight_values<'a>(op: &Weights, b: &'a Tensor) -> TractResult<W<'a>> {
+    let plain = b.try_as_plain_ram()?;
+    if b.datum_type() == f16::datum_type() {
+        if op.layout == Layout::Panels {
+            bail!("{}: float16 weights are not stored in panels", op.label);
+        }
+        let w = plain.as_slice::<f16>()?;
+        // SAFETY: f16 is a transparent wrapper of u16.
+        Ok(W::F16(unsafe {
+            std::slice::from_raw_parts(w.as_ptr() as *const u16, w.len())
+        }))
+    } else {
+        Ok(W::F32(plain.as_slice::<f32>()?))
     }
 }
 
