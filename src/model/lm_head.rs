@@ -168,26 +168,13 @@ impl Int8Rows {
         let gamma = 2.0 * k as f64 * U;
         for j in 0..n {
             let w = weight_row(op, weight, j, &mut row)?;
-            if !w.iter().all(|v| v.is_finite()) {
-                return None;
-            }
-            // Comparisons, not `f32::max` (a call in wasm, for its NaN rules).
-            let max = w
-                .iter()
-                .fold(0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+            let max = max_abs(w)?;
             // `w / s` rounded to the nearest integer, within `2^-22` of it in f32: each
             // weight is within `s (1/2 + 2^-15)` of `s Q` (`e_j`). A row too small for that
             // relative error (subnormal scales) becomes zeros, within `max` of the weights.
             let (s, err, l1) = if max >= TINY {
                 let s = max / 127.0;
-                let inv = 1.0 / s;
-                let mut l1 = 0u32;
-                for (qv, &v) in q[j * k..(j + 1) * k].iter_mut().zip(w) {
-                    // `round_ties_even` is one instruction in wasm (`f32.nearest`).
-                    let i = ((v * inv).round_ties_even() as i32).clamp(-127, 127);
-                    *qv = i as i8;
-                    l1 += i.unsigned_abs();
-                }
+                let l1 = quantize_row(w, 1.0 / s, &mut q[j * k..(j + 1) * k]);
                 (s, s as f64 * (0.5 + 1.0 / 32768.0), l1)
             } else {
                 (0.0, max as f64, 0)
@@ -274,6 +261,47 @@ impl QuantizedInput {
     }
 }
 
+/// The largest magnitude of `w`; `None` when a value is not finite.
+fn max_abs(w: &[f32]) -> Option<f32> {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        kernels::max_abs(w)
+    }
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    {
+        // Comparisons, not `f32::max` (a call in wasm, for its NaN rules).
+        let max = w
+            .iter()
+            .fold(0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+        w.iter().all(|v| v.is_finite()).then_some(max)
+    }
+}
+
+/// `w * inv` rounded to the nearest integer (ties to even) within +-127 into `q`; returns the
+/// sum of their magnitudes.
+fn quantize_row(w: &[f32], inv: f32, q: &mut [i8]) -> u32 {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        kernels::quantize_row(w, inv, q)
+    }
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    {
+        quantize_values(w, inv, q)
+    }
+}
+
+/// The portable [`quantize_row`] (and the simd128 one's tail).
+fn quantize_values(w: &[f32], inv: f32, q: &mut [i8]) -> u32 {
+    let mut l1 = 0;
+    for (q, &v) in q.iter_mut().zip(w) {
+        // `round_ties_even` is one instruction in wasm (`f32.nearest`), `round` a call.
+        let i = ((v * inv).round_ties_even() as i32).clamp(-127, 127);
+        *q = i as i8;
+        l1 += i.unsigned_abs();
+    }
+    l1
+}
+
 /// `sum_i x_i q_ri` for the rows `r` of `q` (`q.len() / x.len()` of them, at most four; the
 /// others 0), exact (the caller keeps them within i32).
 fn dot_i8x4(x: &[i16], q: &[i8]) -> [i32; 4] {
@@ -294,6 +322,61 @@ fn dot_i8x4(x: &[i16], q: &[i8]) -> [i32; 4] {
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 mod kernels {
     use core::arch::wasm32::*;
+
+    /// The portable `max_abs` with simd128 (`f32x4.max` gives NaN for a NaN, so one test at
+    /// the end finds a value that is not finite).
+    pub fn max_abs(w: &[f32]) -> Option<f32> {
+        let chunks = w.len() / 4;
+        let mut max = f32x4_splat(0.0);
+        for c in 0..chunks {
+            // SAFETY: values 4c..4c + 4 of `w`; v128_load accepts unaligned addresses.
+            let v = unsafe { v128_load(w.as_ptr().add(4 * c) as *const v128) };
+            max = f32x4_max(max, f32x4_abs(v));
+        }
+        let lanes = [
+            f32x4_extract_lane::<0>(max),
+            f32x4_extract_lane::<1>(max),
+            f32x4_extract_lane::<2>(max),
+            f32x4_extract_lane::<3>(max),
+        ];
+        let tail = w[chunks * 4..].iter().map(|v| v.abs());
+        lanes.into_iter().chain(tail).try_fold(0f32, |m, v| {
+            v.is_finite().then_some(if v > m { v } else { m })
+        })
+    }
+
+    /// The portable `quantize_row` with simd128, the same integers: sixteen values at a time
+    /// rounded (`f32x4.nearest`), converted, narrowed to bytes with saturation and clamped at
+    /// -127; their magnitudes summed by pairwise widening additions.
+    pub fn quantize_row(w: &[f32], inv: f32, q: &mut [i8]) -> u32 {
+        let len = w.len().min(q.len());
+        let chunks = len / 16;
+        let (scale, low) = (f32x4_splat(inv), i8x16_splat(-127));
+        let mut sums = i32x4_splat(0);
+        for c in 0..chunks {
+            // SAFETY: values 16c..16c + 16 of `w` and of `q`, within `len`; v128_load and
+            // v128_store accept unaligned addresses.
+            unsafe {
+                let p = w.as_ptr().add(16 * c) as *const v128;
+                let i: [v128; 4] = core::array::from_fn(|a| {
+                    i32x4_trunc_sat_f32x4(f32x4_nearest(f32x4_mul(v128_load(p.add(a)), scale)))
+                });
+                let bytes = i8x16_narrow_i16x8(
+                    i16x8_narrow_i32x4(i[0], i[1]),
+                    i16x8_narrow_i32x4(i[2], i[3]),
+                );
+                let bytes = i8x16_max(bytes, low);
+                v128_store(q.as_mut_ptr().add(16 * c) as *mut v128, bytes);
+                let pairs = u16x8_extadd_pairwise_u8x16(i8x16_abs(bytes));
+                sums = i32x4_add(sums, u32x4_extadd_pairwise_u16x8(pairs));
+            }
+        }
+        let l1 = (i32x4_extract_lane::<0>(sums)
+            + i32x4_extract_lane::<1>(sums)
+            + i32x4_extract_lane::<2>(sums)
+            + i32x4_extract_lane::<3>(sums)) as u32;
+        l1 + super::quantize_values(&w[chunks * 16..len], inv, &mut q[chunks * 16..len])
+    }
 
     /// `dot_i8x4` with simd128: sixteen values of `x` loaded once for the rows, each row's
     /// sixteen weights widened to two i16x8 and multiplied pairwise into i32 lanes
