@@ -98,13 +98,13 @@ impl LmHead {
         let whole = self.op.n / 4 * 4;
         for (first, o) in out[..whole].chunks_exact_mut(4).enumerate() {
             let first = first * 4;
-            let sums = dot_i8x4(&x.values, &rows.q[first * k..(first + 4) * k]);
+            let sums = dot_i8x4(&x.values, rows.rows(first, 4, k));
             for (c, (o, i)) in o.iter_mut().zip(sums).enumerate() {
                 *o = bound_of(first + c, i);
             }
         }
         for (j, o) in out.iter_mut().enumerate().skip(whole) {
-            *o = bound_of(j, dot_i8x4(&x.values, &rows.q[j * k..(j + 1) * k])[0]);
+            *o = bound_of(j, dot_i8x4(&x.values, rows.rows(j, 1, k))[0]);
         }
         self.round_to_type(out);
         Ok(out.iter().all(|b| b.is_finite()))
@@ -149,8 +149,10 @@ fn bound(scale: f32, i: i32, slack: f32) -> f32 {
 /// The weight rounded to int8, one scale per row, with each row's terms of the bound.
 #[derive(Debug)]
 struct Int8Rows {
-    /// `[n, k]`, row-major (whatever the weight's layout).
-    q: Vec<i8>,
+    /// `[n, k]`, row-major (whatever the weight's layout), in blocks of `BLOCK_ROWS` rows:
+    /// pieces that fit in the holes the load leaves in the heap, where one allocation of
+    /// the whole would grow the memory by all of it.
+    q: Vec<Vec<i8>>,
     /// `s_j`: `max |w_j| / 127`.
     scale: Vec<f32>,
     /// `p_j >= s_j |Q_j|_1`.
@@ -159,10 +161,21 @@ struct Int8Rows {
     r: Vec<f32>,
 }
 
+/// Rows of a block of `Int8Rows::q` (a multiple of four, so that `dot_i8x4`'s rows lie in one).
+const BLOCK_ROWS: usize = 512;
+
 impl Int8Rows {
+    /// Rows `first..first + count` (within one block).
+    fn rows(&self, first: usize, count: usize, k: usize) -> &[i8] {
+        let at = first % BLOCK_ROWS * k;
+        &self.q[first / BLOCK_ROWS][at..at + count * k]
+    }
+
     fn of(op: &Weights, weight: &Tensor) -> Option<Int8Rows> {
         let (k, n) = (op.k, op.n);
-        let mut q = vec![0i8; n * k];
+        let mut q: Vec<Vec<i8>> = (0..n.div_ceil(BLOCK_ROWS))
+            .map(|b| vec![0i8; (n - b * BLOCK_ROWS).min(BLOCK_ROWS) * k])
+            .collect();
         let (mut scale, mut p, mut r) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
         let mut row = vec![0f32; k];
         let gamma = 2.0 * k as f64 * U;
@@ -174,7 +187,9 @@ impl Int8Rows {
             // relative error (subnormal scales) becomes zeros, within `max` of the weights.
             let (s, err, l1) = if max >= TINY {
                 let s = max / 127.0;
-                let l1 = quantize_row(w, 1.0 / s, &mut q[j * k..(j + 1) * k]);
+                let at = j % BLOCK_ROWS * k;
+                let row = &mut q[j / BLOCK_ROWS][at..at + k];
+                let l1 = quantize_row(w, 1.0 / s, row);
                 (s, s as f64 * (0.5 + 1.0 / 32768.0), l1)
             } else {
                 (0.0, max as f64, 0)
