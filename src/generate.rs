@@ -781,16 +781,34 @@ mod tests {
                 ..Default::default()
             },
             GenerationConfig {
+                eos_token_id: Some(vec![2]),
+                bad_words_ids: Some(vec![vec![6], vec![11, 4]]),
+                encoder_repetition_penalty: 1.5,
+                encoder_no_repeat_ngram_size: 2,
+                ..Default::default()
+            },
+            GenerationConfig {
+                eos_token_id: Some(vec![2]),
+                forced_eos_token_id: Some(vec![2]),
+                ..Default::default()
+            },
+            GenerationConfig {
+                begin_suppress_tokens: Some(vec![0, 5]),
+                ..Default::default()
+            },
+            GenerationConfig {
                 renormalize_logits: true,
                 ..Default::default()
             },
         ];
         let ids: Vec<u32> = vec![4, 9, 7, 8, 9, 11, 30];
-        let ctx = RowContext {
+        // Forced EOS acts at the last token (`max_length` 8), begin-suppress at the first
+        // (`prompt_len` 7).
+        let ctx = |c: usize| RowContext {
             row: 0,
             ids: &ids,
-            prompt_len: 3,
-            max_length: 20,
+            prompt_len: if c == 7 { 7 } else { 3 },
+            max_length: if c == 6 { 8 } else { 20 },
         };
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let mut next = move || {
@@ -821,6 +839,7 @@ mod tests {
                             false => vec![],
                         }
                     };
+                    let ctx = ctx(c);
                     let mut chain = Chain::build(config, vocab, extra()).unwrap();
                     let mut scores = exact.clone();
                     chain.apply(&ctx, &mut scores).unwrap();
@@ -847,6 +866,6 @@ mod tests {
             }
         }
         // The rows of the chains without a processor that reads every score kept bounds.
-        assert_eq!(refined, 5 * 200, "rows that kept bounds");
+        assert_eq!(refined, 8 * 200, "rows that kept bounds");
     }
 }
