@@ -424,6 +424,7 @@ impl Generation {
         else {
             return Ok(vec![]);
         };
+        let want_logprobs = self.config.output_scores || self.config.top_logprobs > 0;
         if self.groups[g].state.is_none() {
             let capacity = self.groups[g]
                 .rows
@@ -441,8 +442,7 @@ impl Generation {
             let prompts = self.prompt_inputs.as_ref().map(|p| (p, rows_of.as_slice()));
             let mut state = model.start_rows(rows_of.len(), capacity, encoder, prompts)?;
             // Greedy decoding without scores reads bounds of the logits where they are cheaper.
-            let scores = self.config.output_scores || self.config.top_logprobs > 0;
-            state.bound_logits(self.sampler.is_none() && !scores);
+            state.bound_logits(self.sampler.is_none() && !want_logprobs);
             self.groups[g].state = Some(state);
         }
         let group = &mut self.groups[g];
@@ -484,7 +484,6 @@ impl Generation {
             .collect();
         let mut logits = state.step(&tokens)?;
         self.steps += 1;
-        let want_logprobs = self.config.output_scores || self.config.top_logprobs > 0;
 
         let mut events = vec![];
         for (i, &r) in group.active.iter().enumerate() {

@@ -939,12 +939,13 @@ impl TractState {
         let Some(head) = &plan.head else {
             return last_logits(out, counts, vocab);
         };
-        let hidden = out.cast_to::<f32>().map_err(backend)?;
-        let hidden = hidden
-            .try_as_plain_ram()
-            .map_err(backend)?
-            .as_slice::<f32>()
-            .map_err(backend)?;
+        if head.vocab() != vocab {
+            return Err(Error::Model(format!(
+                "the logits are {} wide; expected {vocab}",
+                head.vocab()
+            )));
+        }
+        let hidden = f32_values(out)?;
         let k = head.hidden_width();
         let shape = out.shape();
         let all_rows = hidden.len() / k.max(1);
@@ -955,7 +956,7 @@ impl TractState {
         }
         if self.bounded && all_rows == 1 && counts == [1] {
             let mut data = vec![0f32; vocab];
-            if head.bounds(hidden, &mut data)? {
+            if head.bounds(&hidden, &mut data)? {
                 let row = BoundRow {
                     hidden: hidden.to_vec(),
                     exact: vec![],
@@ -972,10 +973,9 @@ impl TractState {
             }
         }
         // The op's product over all its rows, as the plan would have run it.
-        let mut all = vec![0f32; all_rows * head.vocab()];
-        head.full(hidden, all_rows, &mut all)?;
-        let all = Tensor::from_shape(&[shape[0], shape[1], head.vocab()], &all).map_err(backend)?;
-        last_logits(&all, counts, vocab)
+        let mut all = vec![0f32; all_rows * vocab];
+        head.full(&hidden, all_rows, &mut all)?;
+        last_rows(&all, shape[0], shape[1], vocab, counts)
     }
 
     /// The embeddings of a step's ids, `[rows, seq, hidden]`: the embeddings model's, with the
@@ -999,6 +999,21 @@ impl TractState {
         }
         Tensor::from_shape(&[counts.len(), seq, hidden], &data).map_err(backend)
     }
+}
+
+/// The values of `t` as f32: in place for an f32 tensor, else converted.
+fn f32_values(t: &Tensor) -> Result<std::borrow::Cow<'_, [f32]>> {
+    if t.datum_type() == f32::datum_type() {
+        let plain = t.try_as_plain_ram().map_err(backend)?;
+        return Ok(std::borrow::Cow::Borrowed(
+            plain.as_slice::<f32>().map_err(backend)?,
+        ));
+    }
+    let t = t.cast_to::<f32>().map_err(backend)?;
+    let plain = t.try_as_plain_ram().map_err(backend)?;
+    Ok(std::borrow::Cow::Owned(
+        plain.as_slice::<f32>().map_err(backend)?.to_vec(),
+    ))
 }
 
 pub(crate) fn int_tensor(values: &[i64], shape: &[usize], dt: DatumType) -> Result<Tensor> {
@@ -1027,12 +1042,24 @@ pub(crate) fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Re
             "the logits are {width} wide; expected {vocab}"
         )));
     }
-    let logits = logits.cast_to::<f32>().map_err(backend)?;
-    let all = logits
-        .try_as_plain_ram()
-        .map_err(backend)?
-        .as_slice::<f32>()
-        .map_err(backend)?;
+    last_rows(&f32_values(logits)?, rows, seq, vocab, counts)
+}
+
+/// [`last_logits`] of the values `all` of `[rows, seq, vocab]`.
+fn last_rows(
+    all: &[f32],
+    rows: usize,
+    seq: usize,
+    vocab: usize,
+    counts: &[usize],
+) -> Result<Logits> {
+    if all.len() != rows * seq * vocab || counts.len() != rows {
+        return Err(Error::Backend(format!(
+            "{} logits for {rows} rows of {seq} positions of {vocab} and {} counts",
+            all.len(),
+            counts.len()
+        )));
+    }
     let mut data = vec![0.0f32; rows * vocab];
     for r in 0..rows {
         if counts[r] == 0 {
