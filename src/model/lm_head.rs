@@ -24,6 +24,7 @@ use tract_onnx::prelude::*;
 use crate::decoder::Head;
 use crate::error::{backend, Error, Result};
 use crate::model::ops::matmul_weights::{one_output, product, Layout, Weights};
+use crate::model::ops::parallel;
 
 /// A `MatMulWeights` at the end of a decoder, with its weight.
 #[derive(Debug)]
@@ -69,19 +70,26 @@ impl LmHead {
 
     /// Upper bounds of one row's logits into `out`; false (and `out` unspecified) when there
     /// are none (a value of `hidden` or of the weight is not finite, or a bound overflows).
+    /// With the `threads` feature the rows are split across the threads.
     pub fn bounds(&self, hidden: &[f32], out: &mut [f32]) -> Result<bool> {
-        let k = self.op.k;
-        if hidden.len() != k || out.len() != self.op.n {
+        let parts = parallel::parts_for(self.op.k * self.op.n);
+        self.bounds_in_parts(hidden, out, parts)
+    }
+
+    /// [`LmHead::bounds`] with the int8 copy (when this call makes it) and the bounds computed
+    /// in `parts` ranges of rows (`parallel`): the same values for any `parts`.
+    pub fn bounds_in_parts(&self, hidden: &[f32], out: &mut [f32], parts: usize) -> Result<bool> {
+        let (k, n) = (self.op.k, self.op.n);
+        if hidden.len() != k || out.len() != n {
             return Err(Error::Backend(format!(
-                "lm_head bounds of {} values into {} (K={k}, N={})",
+                "lm_head bounds of {} values into {} (K={k}, N={n})",
                 hidden.len(),
                 out.len(),
-                self.op.n
             )));
         }
         let Some(rows) = self
             .int8
-            .get_or_init(|| Int8Rows::of(&self.op, &self.weight))
+            .get_or_init(|| Int8Rows::of(&self.op, &self.weight, parts))
         else {
             return Ok(false);
         };
@@ -95,17 +103,16 @@ impl LmHead {
                 x.rounding * rows.p[j] + x.l1 * rows.r[j],
             )
         };
-        let whole = self.op.n / 4 * 4;
-        for (first, o) in out[..whole].chunks_exact_mut(4).enumerate() {
-            let first = first * 4;
-            let sums = dot_i8x4(&x.values, rows.rows(first, 4, k));
-            for (c, (o, i)) in o.iter_mut().zip(sums).enumerate() {
-                *o = bound_of(first + c, i);
+        // Ranges of a multiple of four rows, so that each four lie in one block of the copy.
+        parallel::by_columns(out, 1, n, 4, parts, |cols, piece| {
+            for (c, o) in piece.chunks_mut(4).enumerate() {
+                let first = cols.start + 4 * c;
+                let sums = dot_i8x4(&x.values, rows.rows(first, o.len(), k));
+                for (r, (o, i)) in o.iter_mut().zip(sums).enumerate() {
+                    *o = bound_of(first + r, i);
+                }
             }
-        }
-        for (j, o) in out.iter_mut().enumerate().skip(whole) {
-            *o = bound_of(j, dot_i8x4(&x.values, rows.rows(j, 1, k))[0]);
-        }
+        });
         self.round_to_type(out);
         Ok(out.iter().all(|b| b.is_finite()))
     }
@@ -171,34 +178,62 @@ impl Int8Rows {
         &self.q[first / BLOCK_ROWS][at..at + count * k]
     }
 
-    fn of(op: &Weights, weight: &Tensor) -> Option<Int8Rows> {
+    /// The copy of `weight`, its blocks made in `parts` ranges (`parallel`).
+    fn of(op: &Weights, weight: &Tensor, parts: usize) -> Option<Int8Rows> {
+        let blocks = op.n.div_ceil(BLOCK_ROWS);
+        let made: Option<Vec<Vec<Int8Rows>>> = parallel::map_ranges(blocks, parts, 1, |range| {
+            range.map(|b| Int8Rows::block(op, weight, b)).collect()
+        })
+        .into_iter()
+        .collect();
+        let mut rows = Int8Rows {
+            q: Vec::with_capacity(blocks),
+            scale: Vec::with_capacity(op.n),
+            p: Vec::with_capacity(op.n),
+            r: Vec::with_capacity(op.n),
+        };
+        for block in made?.into_iter().flatten() {
+            rows.q.extend(block.q);
+            rows.scale.extend(block.scale);
+            rows.p.extend(block.p);
+            rows.r.extend(block.r);
+        }
+        Some(rows)
+    }
+
+    /// Block `b` of the copy (rows `b * BLOCK_ROWS..`, at most `BLOCK_ROWS` of them), as one
+    /// `Int8Rows` of one block; `None` when a weight is not finite.
+    fn block(op: &Weights, weight: &Tensor, b: usize) -> Option<Int8Rows> {
         let (k, n) = (op.k, op.n);
-        let mut q: Vec<Vec<i8>> = (0..n.div_ceil(BLOCK_ROWS))
-            .map(|b| vec![0i8; (n - b * BLOCK_ROWS).min(BLOCK_ROWS) * k])
-            .collect();
-        let (mut scale, mut p, mut r) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        let first = b * BLOCK_ROWS;
+        let count = (n - first).min(BLOCK_ROWS);
+        let mut q = vec![0i8; count * k];
+        let (mut scale, mut p, mut r) = (vec![0f32; count], vec![0f32; count], vec![0f32; count]);
         let mut row = vec![0f32; k];
         let gamma = 2.0 * k as f64 * U;
-        for j in 0..n {
-            let w = weight_row(op, weight, j, &mut row)?;
+        for at in 0..count {
+            let w = weight_row(op, weight, first + at, &mut row)?;
             let max = max_abs(w)?;
             // `w / s` rounded to the nearest integer, within `2^-22` of it in f32: each
             // weight is within `s (1/2 + 2^-15)` of `s Q` (`e_j`). A row too small for that
             // relative error (subnormal scales) becomes zeros, within `max` of the weights.
             let (s, err, l1) = if max >= TINY {
                 let s = max / 127.0;
-                let at = j % BLOCK_ROWS * k;
-                let row = &mut q[j / BLOCK_ROWS][at..at + k];
-                let l1 = quantize_row(w, 1.0 / s, row);
+                let l1 = quantize_row(w, 1.0 / s, &mut q[at * k..(at + 1) * k]);
                 (s, s as f64 * (0.5 + 1.0 / 32768.0), l1)
             } else {
                 (0.0, max as f64, 0)
             };
-            scale[j] = s;
-            p[j] = up(s as f64 * l1 as f64);
-            r[j] = up(err + gamma * max as f64);
+            scale[at] = s;
+            p[at] = up(s as f64 * l1 as f64);
+            r[at] = up(err + gamma * max as f64);
         }
-        Some(Int8Rows { q, scale, p, r })
+        Some(Int8Rows {
+            q: vec![q],
+            scale,
+            p,
+            r,
+        })
     }
 }
 

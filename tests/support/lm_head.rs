@@ -77,8 +77,8 @@ fn head(w: &[f32], k: usize, n: usize, layout: Layout, f16_weights: bool, dt: Da
 
 /// For f32 weights (as rows and in panels) and f16 weights, logits of f32 and of f16: each
 /// logit one at a time (`Head::logit`) is bit for bit the full product's, each bound is at
-/// least its logit and at most `|x|_1 max |w_j| / 100` above it; an input or a weight that is not
-/// finite gives no bounds.
+/// least its logit and at most `|x|_1 max |w_j| / 100` above it, and the same in parts; an
+/// input or a weight that is not finite gives no bounds.
 pub fn check_bounds() {
     // 1030 rows: the int8 copy's blocks of 512 rows, and a partial one.
     for (k, n) in [(4, 9), (20, 13), (36, 130), (576, 23), (20, 1030)] {
@@ -92,17 +92,23 @@ pub fn check_bounds() {
         for (layout, f16_weights, dt) in cases {
             let head = head(&w, k, n, layout, f16_weights, dt);
             let case = format!("k={k} n={n} {layout:?} f16 weights {f16_weights} {dt:?}");
-            for mut x in inputs(k) {
-                if dt == f16::datum_type() {
-                    // Logits within f16's range.
-                    x.iter_mut().for_each(|v| *v *= 1e-4);
-                }
+            let xs: Vec<Vec<f32>> = inputs(k)
+                .into_iter()
+                .map(|mut x| {
+                    if dt == f16::datum_type() {
+                        // Logits within f16's range.
+                        x.iter_mut().for_each(|v| *v *= 1e-4);
+                    }
+                    x
+                })
+                .collect();
+            for x in &xs {
                 let mut full = vec![0f32; n];
-                head.full(&x, 1, &mut full).unwrap();
+                head.full(x, 1, &mut full).unwrap();
                 let mut bounds = vec![0f32; n];
-                assert!(head.bounds(&x, &mut bounds).unwrap(), "{case}");
+                assert!(head.bounds(x, &mut bounds).unwrap(), "{case}");
                 for j in 0..n {
-                    let exact = head.logit(&x, j).unwrap();
+                    let exact = head.logit(x, j).unwrap();
                     assert_eq!(exact.to_bits(), full[j].to_bits(), "{case}: logit {j}");
                     let wj = |i: usize| {
                         let v = w[j * k + i];
@@ -133,6 +139,21 @@ pub fn check_bounds() {
                         b - e <= room + slack,
                         "{case}: logit {j} {exact}, bound {b}, |x|_1 max |w_j| / 100 {room}"
                     );
+                }
+            }
+            // The copy made and the bounds computed in parts (in parallel in the threads
+            // build): the same bits.
+            for parts in 2..5 {
+                let split = self::head(&w, k, n, layout, f16_weights, dt);
+                for x in &xs {
+                    let (mut one, mut parted) = (vec![0f32; n], vec![0f32; n]);
+                    assert!(head.bounds_in_parts(x, &mut one, 1).unwrap(), "{case}");
+                    assert!(
+                        split.bounds_in_parts(x, &mut parted, parts).unwrap(),
+                        "{case}"
+                    );
+                    let bits = |v: &[f32]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&one), bits(&parted), "{case}: {parts} parts");
                 }
             }
             let mut out = vec![0f32; n];

@@ -88,6 +88,34 @@ pub fn parts_for(macs: usize) -> usize {
     }
 }
 
+/// `f` of each range of `ranges(n, parts, align)`, in order: with the `threads` feature the
+/// ranges run in parallel (the calling thread runs the first), without it one after the other.
+pub fn map_ranges<R, F>(n: usize, parts: usize, align: usize, f: F) -> Vec<R>
+where
+    R: Send,
+    F: Fn(Range<usize>) -> R + Sync,
+{
+    let ranges = ranges(n, parts, align);
+    #[cfg(feature = "threads")]
+    if ranges.len() > 1 {
+        let mut results: Vec<Option<R>> = ranges.iter().map(|_| None).collect();
+        let f = &f;
+        rayon::in_place_scope(|scope| {
+            let mut parts = ranges.iter().zip(results.iter_mut());
+            let first = parts.next();
+            for (range, result) in parts {
+                scope.spawn(move |_| *result = Some(f(range.clone())));
+            }
+            if let Some((range, result)) = first {
+                *result = Some(f(range.clone()));
+            }
+        });
+        // The scope returns once every part has run: each result is there.
+        return results.into_iter().flatten().collect();
+    }
+    ranges.into_iter().map(f).collect()
+}
+
 #[cfg(feature = "threads")]
 fn run_parts<T, F>(out: &mut [T], rows: usize, n: usize, ranges: &[Range<usize>], kernel: &F)
 where
@@ -170,6 +198,18 @@ mod tests {
         assert_eq!(ranges(3, 4, 4), vec![0..3]);
         assert_eq!(ranges(9, 3, 1), vec![0..3, 3..6, 6..9]);
         assert_eq!(ranges(7, 1, 4), vec![0..7]);
+    }
+
+    #[test]
+    fn map_ranges_keeps_the_order_of_the_ranges() {
+        for parts in 1..5 {
+            let got = map_ranges(10, parts, 4, |r| (r.start, r.end));
+            let want: Vec<_> = ranges(10, parts, 4)
+                .iter()
+                .map(|r| (r.start, r.end))
+                .collect();
+            assert_eq!(got, want, "{parts} parts");
+        }
     }
 
     #[test]
