@@ -36,6 +36,9 @@ cargo test --all-targets 2>&1 | tee "$log"
 if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' "$log"; then
   echo "no native test ran"; exit 1
 fi
+# The threads build's teams of threads (src/model/ops/parallel.rs) on real threads.
+cargo test --features threads --lib model::ops::parallel 2>&1 | tee "$log"
+grep -qE '^test result: ok\. [1-9][0-9]* passed' "$log" || { echo "no threads test ran"; exit 1; }
 # The stand-in for rustfft that Cargo.toml patches in for tract (crates/rustfft).
 cargo test -p rustfft --lib 2>&1 | grep "^test result"
 

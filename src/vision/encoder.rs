@@ -13,6 +13,7 @@ use tract_onnx::pb;
 use tract_onnx::prelude::*;
 
 use crate::error::{backend, invalid, Error, Result};
+use crate::model::ops::parallel;
 
 use super::idefics3::{Idefics3Processor, Tiles};
 use super::qwen2_vl::{Qwen2VlPixels, Qwen2VlProcessor};
@@ -150,7 +151,7 @@ impl VisionEncoder {
                 second.clone().into()
             });
         }
-        let mut out = plan.run(inputs).map_err(backend)?;
+        let mut out = parallel::team(|| plan.run(inputs)).map_err(backend)?;
         let out = out.remove(0).into_tensor();
         Ok(out.cast_to::<f32>().map_err(backend)?.into_owned())
     }
