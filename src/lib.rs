@@ -14,6 +14,13 @@
 //! # Ok(()) }
 //! ```
 
+// The threads build (nightly, +atomics) sleeps idle members of a team of threads with wasm's
+// `memory.atomic.wait32` (src/model/ops/parallel.rs).
+#![cfg_attr(
+    all(target_arch = "wasm32", target_feature = "atomics"),
+    feature(stdarch_wasm_atomic_wait)
+)]
+
 pub mod audio;
 pub mod cache;
 pub mod chat;

@@ -151,7 +151,8 @@ impl VisionEncoder {
                 second.clone().into()
             });
         }
-        let mut out = parallel::team(|| plan.run(inputs)).map_err(backend)?;
+        let mut out =
+            parallel::team(parallel::Wait::Sleep, || plan.run(inputs)).map_err(backend)?;
         let out = out.remove(0).into_tensor();
         Ok(out.cast_to::<f32>().map_err(backend)?.into_owned())
     }

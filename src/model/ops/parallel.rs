@@ -177,20 +177,36 @@ fn for_each_part<F: Fn(usize) + Sync>(parts: usize, part: F) {
     });
 }
 
+/// How the members of a [`team`] wait for the next product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Spin until the step ends: a decoding step, whose products come every few tens of
+    /// microseconds.
+    Spin,
+    /// Spin briefly, then sleep until the next product: a prompt or an encoder, whose
+    /// products are long and whose stretches of one-thread work (attention over the prompt)
+    /// are too, so that a spinning member would take the core that V8's compiler needs while
+    /// a process's first prompt runs (int8 SmolLM2's first prompt on 2 threads in Chromium:
+    /// 0.34 s with members spinning, 0.19 s with members sleeping, 0.12 s once compiled).
+    Sleep,
+}
+
 /// Runs `step` (a model's step: many products a few tens of microseconds each) with the pool's
-/// workers waiting for parts of its products in a spin loop, from which a part starts within
+/// workers waiting for parts of its products as `wait` says, from which a part starts within
 /// microseconds: rayon's workers fall asleep between products, and waking one took about as
 /// long as half a decoding product of SmolLM2 (2 threads in Chromium, q4: 44.9 tok/s with
-/// every product split, 44.9 with only the `lm_head`'s). The workers spin only during `step`.
-/// Without the `threads` feature, with one thread, on a worker of the pool, or while another
-/// team runs, `step` runs as it is (its products on rayon's pool).
-pub fn team<R>(step: impl FnOnce() -> R) -> R {
+/// every product split, 44.9 with only the `lm_head`'s, 66-69 on a team that spins; 50-59
+/// with members that slept after some 10-100 microseconds without a part). Without the
+/// `threads` feature, with one thread, on a worker of the pool, or while another team runs,
+/// `step` runs as it is (its products on rayon's pool).
+pub fn team<R>(wait: Wait, step: impl FnOnce() -> R) -> R {
     #[cfg(feature = "threads")]
     {
-        team::run(step)
+        team::run(wait, step)
     }
     #[cfg(not(feature = "threads"))]
     {
+        let _ = wait;
         step()
     }
 }
@@ -268,6 +284,7 @@ mod team {
     impl Drop for Ending {
         fn drop(&mut self) {
             BOARD.stop.store(true, Ordering::Release);
+            bell::ring();
             LEADER.set(false);
         }
     }
@@ -281,7 +298,7 @@ mod team {
         }
     }
 
-    pub fn run<R>(step: impl FnOnce() -> R) -> R {
+    pub fn run<R>(wait: super::Wait, step: impl FnOnce() -> R) -> R {
         // One member per other core where the number of cores is known (natively, rayon's
         // pool has one thread per core beside the calling thread; a spinning member on a core
         // the leader needs would slow it).
@@ -300,20 +317,100 @@ mod team {
         BOARD.stop.store(false, Ordering::Release);
         LEADER.set(true);
         rayon::in_place_scope(|scope| {
+            let spins = match wait {
+                super::Wait::Spin => u32::MAX,
+                super::Wait::Sleep => SPINS,
+            };
             for _ in 0..members {
-                scope.spawn(|_| member());
+                scope.spawn(move |_| member(spins));
             }
             let _ending = Ending;
             step()
         })
     }
 
-    fn member() {
+    /// Rounds of the spin loop without a part after which a member of a team that may sleep
+    /// ([`super::Wait::Sleep`]) sleeps until the next product: tens of microseconds.
+    const SPINS: u32 = 1 << 16;
+
+    fn member(spins: u32) {
+        let mut idle = 0;
         while !BOARD.stop.load(Ordering::Acquire) {
-            if !claim_part() {
+            if claim_part() {
+                idle = 0;
+            } else if idle < spins {
+                idle += 1;
                 spin_loop();
+            } else {
+                idle = 0;
+                bell::sleep();
             }
         }
+    }
+
+    /// Where idle members sleep: `post` and the team's end ring it.
+    mod bell {
+        use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::SeqCst};
+
+        /// Rings: a member sleeps only while it has not changed.
+        static BELL: AtomicU32 = AtomicU32::new(0);
+        /// Members asleep or about to sleep.
+        static SLEEPERS: AtomicUsize = AtomicUsize::new(0);
+
+        /// Sleeps until the next ring (or 10 ms), unless a part or the team's end came first.
+        /// (A ring after the bell is read here either sees this member among the sleepers
+        /// and wakes it, or changed the bell before the member's wait compares it.)
+        pub fn sleep() {
+            let rung = BELL.load(SeqCst);
+            SLEEPERS.fetch_add(1, SeqCst);
+            if !super::has_work() {
+                wait(&BELL, rung);
+            }
+            SLEEPERS.fetch_sub(1, SeqCst);
+        }
+
+        pub fn ring() {
+            BELL.fetch_add(1, SeqCst);
+            if SLEEPERS.load(SeqCst) > 0 {
+                notify(&BELL);
+            }
+        }
+
+        #[cfg(all(target_arch = "wasm32", target_feature = "atomics"))]
+        fn wait(bell: &AtomicU32, rung: u32) {
+            // SAFETY: the address of a live, aligned 32-bit atomic. Members are the pool's
+            // workers (Web Workers), where waiting is allowed; the page's thread only rings.
+            unsafe {
+                core::arch::wasm32::memory_atomic_wait32(
+                    bell.as_ptr() as *mut i32,
+                    rung as i32,
+                    10_000_000,
+                );
+            }
+        }
+
+        #[cfg(all(target_arch = "wasm32", target_feature = "atomics"))]
+        fn notify(bell: &AtomicU32) {
+            // SAFETY: as in `wait`.
+            unsafe {
+                core::arch::wasm32::memory_atomic_notify(bell.as_ptr() as *mut i32, u32::MAX);
+            }
+        }
+
+        /// Natively (tests) a member yields its core instead.
+        #[cfg(not(all(target_arch = "wasm32", target_feature = "atomics")))]
+        fn wait(_bell: &AtomicU32, _rung: u32) {
+            std::thread::yield_now();
+        }
+
+        #[cfg(not(all(target_arch = "wasm32", target_feature = "atomics")))]
+        fn notify(_bell: &AtomicU32) {}
+    }
+
+    /// A product with parts to claim is on the board, or the team has ended.
+    fn has_work() -> bool {
+        let (_, parts, next) = unpack(BOARD.claim.load(Ordering::SeqCst));
+        next < parts || BOARD.stop.load(Ordering::SeqCst)
     }
 
     /// Counts a part as run when it returns or unwinds.
@@ -403,6 +500,7 @@ mod team {
         let _wait = Wait(parts);
         let next = ((epoch + 1) & 0xffff_ffff) << 32 | (parts as u64) << 16;
         BOARD.claim.store(next, Ordering::Release);
+        bell::ring();
         while claim_part() {}
     }
 }
@@ -521,17 +619,18 @@ mod tests {
                 assert_eq!(got.iter().sum::<usize>(), n, "{label}: round {round}");
             }
         };
-        team(|| {
+        team(Wait::Spin, || {
             products("team");
-            team(|| products("a team inside a team"));
+            team(Wait::Spin, || products("a team inside a team"));
         });
+        team(Wait::Sleep, || products("a team that sleeps"));
         assert!(
             elsewhere.load(Ordering::Relaxed),
             "no part ran on a member of the team"
         );
         std::thread::scope(|s| {
-            s.spawn(|| team(|| products("first thread")));
-            s.spawn(|| team(|| products("second thread")));
+            s.spawn(|| team(Wait::Spin, || products("first thread")));
+            s.spawn(|| team(Wait::Sleep, || products("second thread")));
         });
         products("no team");
     }
