@@ -16,7 +16,7 @@ use crate::cache::gather_rows;
 use crate::decoder::{DecoderState, Logits};
 use crate::error::{backend, Error, Result};
 use crate::model::onnx::{specialize_bool_input, Decoded};
-use crate::model::ops::parallel::{self, Wait};
+use crate::model::ops::parallel::{self, Step};
 use crate::model::signature::{Dtype, Signature, ONNX_INT32};
 use crate::model::tract_decoder::{
     int_tensor, last_logits, optimize, output_names, parse_graph_owned, shared_initializers,
@@ -286,7 +286,7 @@ impl Seq2Seq {
                     inputs.push(int_tensor(values, &[batch, len], fact(ix)?)?.into());
                 }
                 let out =
-                    parallel::team(Wait::Sleep, || plan.runnable.run(inputs)).map_err(backend)?;
+                    parallel::team(Step::Other, || plan.runnable.run(inputs)).map_err(backend)?;
                 let mask = Tensor::from_shape(&[batch, len], &mask).map_err(backend)?;
                 (out[plan.output].clone().into_tensor(), mask)
             }
@@ -307,7 +307,7 @@ impl Seq2Seq {
                 full.extend_from_slice(shape);
                 let data: Vec<f32> = rows.iter().flatten().copied().collect();
                 let t = Tensor::from_shape(&full, &data).map_err(backend)?;
-                let out = parallel::team(Wait::Sleep, || plan.runnable.run(tvec![t.into()]))
+                let out = parallel::team(Step::Other, || plan.runnable.run(tvec![t.into()]))
                     .map_err(backend)?;
                 let hidden = out[plan.output].clone().into_tensor();
                 let frames = hidden.shape().get(1).copied().unwrap_or(0);
@@ -618,8 +618,12 @@ impl DecoderState for Seq2SeqState {
             };
             inputs.push(v);
         }
-        let wait = if seq == 1 { Wait::Spin } else { Wait::Sleep };
-        let outputs = parallel::team(wait, || plan.runnable.run(inputs)).map_err(backend)?;
+        let kind = if seq == 1 {
+            Step::Decoding
+        } else {
+            Step::Other
+        };
+        let outputs = parallel::team(kind, || plan.runnable.run(inputs)).map_err(backend)?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             self.cache[l] = Some((
                 outputs[k].clone().into_arc_tensor(),

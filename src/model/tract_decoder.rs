@@ -15,7 +15,7 @@ use crate::model::lm_head::LmHead;
 use crate::model::onnx::{into_typed, is_number, specialize_bool_input, Apart, Decoded};
 use crate::model::ops::matmul_runtime::past_where_it_lies;
 use crate::model::ops::matmul_weights::{Weights, WeightsOp};
-use crate::model::ops::parallel::{self, Wait};
+use crate::model::ops::parallel::{self, Step};
 use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32};
 use crate::vision::RowInputs;
 
@@ -709,8 +709,12 @@ impl DecoderState for TractState {
             return Ok(Logits::exact(rows, vocab, vec![0.0; rows * vocab]));
         }
         // The step's products, the `lm_head`'s included, on a team of threads (`parallel`).
-        let wait = if seq == 1 { Wait::Spin } else { Wait::Sleep };
-        parallel::team(wait, || match self.decoder.sig.cache_mode {
+        let kind = if seq == 1 {
+            Step::Decoding
+        } else {
+            Step::Other
+        };
+        parallel::team(kind, || match self.decoder.sig.cache_mode {
             CacheMode::Grow => self.step_grow(tokens, seq),
             CacheMode::InPlace => self.step_in_place(tokens, &counts, seq),
             CacheMode::Append => self.step_append(tokens, &counts, seq),

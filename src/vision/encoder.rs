@@ -152,7 +152,7 @@ impl VisionEncoder {
             });
         }
         let mut out =
-            parallel::team(parallel::Wait::Sleep, || plan.run(inputs)).map_err(backend)?;
+            parallel::team(parallel::Step::Other, || plan.run(inputs)).map_err(backend)?;
         let out = out.remove(0).into_tensor();
         Ok(out.cast_to::<f32>().map_err(backend)?.into_owned())
     }

@@ -177,36 +177,40 @@ fn for_each_part<F: Fn(usize) + Sync>(parts: usize, part: F) {
     });
 }
 
-/// How the members of a [`team`] wait for the next product.
+/// The kind of a model's step, which says how the members of its [`team`] wait for the next
+/// product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Wait {
-    /// Spin until the step ends: a decoding step, whose products come every few tens of
-    /// microseconds.
-    Spin,
-    /// Spin briefly, then sleep until the next product: a prompt or an encoder, whose
-    /// products are long and whose stretches of one-thread work (attention over the prompt)
-    /// are too, so that a spinning member would take the core that V8's compiler needs while
-    /// a process's first prompt runs (int8 SmolLM2's first prompt on 2 threads in Chromium:
-    /// 0.34 s with members spinning, 0.19 s with members sleeping, 0.12 s once compiled).
-    Sleep,
+pub enum Step {
+    /// A decoding step (one new token a row), whose products come every few tens of
+    /// microseconds: the members spin until it ends.
+    Decoding,
+    /// A prompt or an encoder. Until the process's first decoding step the members sleep after
+    /// tens of microseconds without a part: the first steps of a process run while V8 compiles
+    /// their optimised code on a background thread, and members spinning through the prompt's
+    /// stretches of one-thread work took the core it needed (int8 SmolLM2's first prompt on 2
+    /// threads in Chromium: 0.33-0.34 s with members spinning, 0.17-0.21 s with members
+    /// sleeping, 0.24 s on one thread). After it they spin: with members that slept in prompts
+    /// after spinning through decoding steps, every later int8 prompt took 0.31-0.35 s instead
+    /// of 0.11 s (not understood; fp32's, q4's and fp16's did not move).
+    Other,
 }
 
 /// Runs `step` (a model's step: many products a few tens of microseconds each) with the pool's
-/// workers waiting for parts of its products as `wait` says, from which a part starts within
-/// microseconds: rayon's workers fall asleep between products, and waking one took about as
-/// long as half a decoding product of SmolLM2 (2 threads in Chromium, q4: 44.9 tok/s with
-/// every product split, 44.9 with only the `lm_head`'s, 66-69 on a team that spins; 50-59
-/// with members that slept after some 10-100 microseconds without a part). Without the
-/// `threads` feature, with one thread, on a worker of the pool, or while another team runs,
-/// `step` runs as it is (its products on rayon's pool).
-pub fn team<R>(wait: Wait, step: impl FnOnce() -> R) -> R {
+/// workers waiting for the parts of its products on a board (see [`Step`]), from which a part
+/// starts within microseconds: rayon's workers fall asleep between products, and waking one
+/// cost what the split saved (2 threads in Chromium, q4 SmolLM2: 44.9 tok/s with every product
+/// split, 44.9 with only the `lm_head`'s, 41 on one thread; 63-71 on a team that spins, 50-59
+/// with members that slept after tens of microseconds without a part). Without the `threads`
+/// feature, with one thread, on a worker of the pool, or while another team runs, `step` runs
+/// as it is (its products on rayon's pool).
+pub fn team<R>(kind: Step, step: impl FnOnce() -> R) -> R {
     #[cfg(feature = "threads")]
     {
-        team::run(wait, step)
+        team::run(kind, step)
     }
     #[cfg(not(feature = "threads"))]
     {
-        let _ = wait;
+        let _ = kind;
         step()
     }
 }
@@ -246,6 +250,9 @@ mod team {
 
     /// A team exists (one at a time).
     static ACTIVE: AtomicBool = AtomicBool::new(false);
+
+    /// A decoding step has run in this process (`super::Step`).
+    static DECODED: AtomicBool = AtomicBool::new(false);
 
     thread_local! {
         /// This thread leads the team.
@@ -298,7 +305,7 @@ mod team {
         }
     }
 
-    pub fn run<R>(wait: super::Wait, step: impl FnOnce() -> R) -> R {
+    pub fn run<R>(kind: super::Step, step: impl FnOnce() -> R) -> R {
         // One member per other core where the number of cores is known (natively, rayon's
         // pool has one thread per core beside the calling thread; a spinning member on a core
         // the leader needs would slow it).
@@ -317,9 +324,14 @@ mod team {
         BOARD.stop.store(false, Ordering::Release);
         LEADER.set(true);
         rayon::in_place_scope(|scope| {
-            let spins = match wait {
-                super::Wait::Spin => u32::MAX,
-                super::Wait::Sleep => SPINS,
+            if kind == super::Step::Decoding {
+                DECODED.store(true, Ordering::Relaxed);
+            }
+            // Rounds of the spin loop without a part before a member sleeps (`super::Step`).
+            let spins = if DECODED.load(Ordering::Relaxed) {
+                u32::MAX
+            } else {
+                SPINS
             };
             for _ in 0..members {
                 scope.spawn(move |_| member(spins));
@@ -330,7 +342,7 @@ mod team {
     }
 
     /// Rounds of the spin loop without a part after which a member of a team that may sleep
-    /// ([`super::Wait::Sleep`]) sleeps until the next product: tens of microseconds.
+    /// (`super::Step::Other`) sleeps until the next product: tens of microseconds.
     const SPINS: u32 = 1 << 16;
 
     fn member(spins: u32) {
@@ -619,18 +631,18 @@ mod tests {
                 assert_eq!(got.iter().sum::<usize>(), n, "{label}: round {round}");
             }
         };
-        team(Wait::Spin, || {
+        team(Step::Other, || products("a team that sleeps"));
+        team(Step::Decoding, || {
             products("team");
-            team(Wait::Spin, || products("a team inside a team"));
+            team(Step::Decoding, || products("a team inside a team"));
         });
-        team(Wait::Sleep, || products("a team that sleeps"));
         assert!(
             elsewhere.load(Ordering::Relaxed),
             "no part ran on a member of the team"
         );
         std::thread::scope(|s| {
-            s.spawn(|| team(Wait::Spin, || products("first thread")));
-            s.spawn(|| team(Wait::Sleep, || products("second thread")));
+            s.spawn(|| team(Step::Decoding, || products("first thread")));
+            s.spawn(|| team(Step::Other, || products("second thread")));
         });
         products("no team");
     }
