@@ -4,14 +4,15 @@
 //! thread. Without the feature, or for small products, the kernel runs once over every column,
 //! in place.
 //!
-//! The calling thread computes the first range itself and the pool's workers the others
-//! (`rayon::in_place_scope`): in a browser the page's thread may not sleep, so while it waits
-//! for the pool it spins (rayon's `web_spin_lock`); working instead, `initThreadPool(1)` already
-//! gives two threads of work on two cores. (For the same reason tract-linalg's rayon executor
-//! (`multithread-mm`, `RayonGlobal`), which hands each whole product to the pool and spins
-//! meanwhile, is not used: fp32 SmolLM2 decoded at 0.6x the one-thread speed with it in
-//! Chromium. tract's remaining matmuls (an encoder's products of runtime operands) stay on one
-//! thread.)
+//! The calling thread computes a share of the parts itself: in a browser the page's thread may
+//! not sleep, so while it waits for the others it spins; working instead, `initThreadPool(1)`
+//! already gives two threads of work on two cores. Inside a model's step ([`team`]) the pool's
+//! workers wait for the parts in a spin loop; outside one the parts go to rayon's pool
+//! (`rayon::in_place_scope`, the page's thread spinning in rayon's `web_spin_lock`). (For the
+//! same reason tract-linalg's rayon executor (`multithread-mm`, `RayonGlobal`), which hands each
+//! whole product to the pool and spins meanwhile, is not used: fp32 SmolLM2 decoded at 0.6x
+//! the one-thread speed with it in Chromium. tract's remaining matmuls (an encoder's products
+//! of runtime operands) stay on one thread.)
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -199,7 +200,7 @@ pub enum Step {
 /// workers waiting for the parts of its products on a board (see [`Step`]), from which a part
 /// starts within microseconds: rayon's workers fall asleep between products, and waking one
 /// cost what the split saved (2 threads in Chromium, q4 SmolLM2: 44.9 tok/s with every product
-/// split, 44.9 with only the `lm_head`'s, 41 on one thread; 63-71 on a team that spins, 50-59
+/// split, 44.9 with only the `lm_head`'s, 41 on one thread; 63-78 on a team that spins, 50-59
 /// with members that slept after tens of microseconds without a part). Without the `threads`
 /// feature, with one thread, on a worker of the pool, or while another team runs, `step` runs
 /// as it is (its products on rayon's pool).
@@ -591,8 +592,8 @@ mod tests {
     }
 
     /// The products of a team (`cargo test --features threads`): members run parts, every part
-    /// runs once, the results are placed as without a team, products inside a part and teams inside a team
-    /// run as they are, and a second thread's products wait for no team.
+    /// runs once, the results are placed as without a team, products inside a part and teams
+    /// inside a team run as they are, and a second thread's products wait for no team.
     #[cfg(feature = "threads")]
     #[test]
     fn a_team_runs_every_part_once() {
