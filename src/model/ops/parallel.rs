@@ -96,7 +96,15 @@ where
     R: Send,
     F: Fn(Range<usize>) -> R + Sync,
 {
-    let ranges = ranges(n, parts, align);
+    map_each(&ranges(n, parts, align), f)
+}
+
+/// `f` of each of `ranges`, in order, run as [`map_ranges`] says.
+fn map_each<R, F>(ranges: &[Range<usize>], f: F) -> Vec<R>
+where
+    R: Send,
+    F: Fn(Range<usize>) -> R + Sync,
+{
     #[cfg(feature = "threads")]
     if ranges.len() > 1 {
         use std::sync::Mutex;
@@ -113,17 +121,21 @@ where
             .filter_map(|r| r.into_inner().ok().flatten())
             .collect();
     }
-    ranges.into_iter().map(f).collect()
+    ranges.iter().cloned().map(f).collect()
 }
 
-#[cfg(feature = "threads")]
+/// Runs `kernel` on each of `ranges` (at least two) as [`map_ranges`] does: with the `threads`
+/// feature one row's ranges write their pieces of `out` in place; otherwise each range fills a
+/// block of its own, then copied into `out` (without the feature, the same split one part after
+/// the other, for tests).
 fn run_parts<T, F>(out: &mut [T], rows: usize, n: usize, ranges: &[Range<usize>], kernel: &F)
 where
     T: Copy + Default + Send,
     F: Fn(Range<usize>, &mut [T]) + Sync,
 {
-    use std::sync::Mutex;
+    #[cfg(feature = "threads")]
     if rows == 1 {
+        use std::sync::Mutex;
         // One row: each range is a contiguous piece of `out`.
         let mut pieces = Vec::with_capacity(ranges.len());
         let mut rest = out;
@@ -139,19 +151,11 @@ where
         });
         return;
     }
-    let blocks: Vec<Mutex<Vec<T>>> = ranges
-        .iter()
-        .map(|c| Mutex::new(vec![T::default(); rows * c.len()]))
-        .collect();
-    for_each_part(ranges.len(), |i| {
-        if let Ok(mut block) = blocks[i].lock() {
-            kernel(ranges[i].clone(), &mut block);
-        }
+    let blocks = map_each(ranges, |cols| {
+        let mut block = vec![T::default(); rows * cols.len()];
+        kernel(cols, &mut block);
+        block
     });
-    let blocks: Vec<Vec<T>> = blocks
-        .into_iter()
-        .map(|b| b.into_inner().unwrap_or_default())
-        .collect();
     place(out, n, ranges, &blocks);
 }
 
@@ -223,6 +227,7 @@ mod team {
     use std::cell::Cell;
     use std::hint::spin_loop;
     use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+    use std::sync::OnceLock;
 
     /// The product of the moment. `claim` packs its number (the high 32 bits), its count of
     /// parts (16 bits) and the next part to claim (the low 16): a member that claims part `i`
@@ -310,9 +315,12 @@ mod team {
         // One member per other core where the number of cores is known (natively, rayon's
         // pool has one thread per core beside the calling thread; a spinning member on a core
         // the leader needs would slow it).
+        // (Read once: natively it reads the process's CPU limits from files.)
+        static CORES: OnceLock<Option<usize>> = OnceLock::new();
+        let cores =
+            *CORES.get_or_init(|| std::thread::available_parallelism().ok().map(|c| c.get()));
         let members = super::threads().saturating_sub(1);
-        let members = std::thread::available_parallelism()
-            .map_or(members, |cores| members.min(cores.get() - 1));
+        let members = cores.map_or(members, |cores| members.min(cores - 1));
         if members == 0
             || rayon::current_thread_index().is_some()
             || ACTIVE
@@ -525,24 +533,6 @@ fn place<T: Copy>(out: &mut [T], n: usize, ranges: &[Range<usize>], blocks: &[Ve
             out[r * n + cols.start..r * n + cols.end].copy_from_slice(src);
         }
     }
-}
-
-/// Without the `threads` feature the parts run one after the other (the same split, for tests).
-#[cfg(not(feature = "threads"))]
-fn run_parts<T, F>(out: &mut [T], rows: usize, n: usize, ranges: &[Range<usize>], kernel: &F)
-where
-    T: Copy + Default + Send,
-    F: Fn(Range<usize>, &mut [T]) + Sync,
-{
-    let blocks: Vec<Vec<T>> = ranges
-        .iter()
-        .map(|cols| {
-            let mut block = vec![T::default(); rows * cols.len()];
-            kernel(cols.clone(), &mut block);
-            block
-        })
-        .collect();
-    place(out, n, ranges, &blocks);
 }
 
 #[cfg(test)]
