@@ -608,22 +608,30 @@ fn f16_kernels_match_the_f32_kernels() {
 /// one-row kernel leaves to the portable one), N not a multiple of 16 (and over four blocks of
 /// 16, the prompt kernel's group), one row (decoding) to thirteen (a prompt: passes of six rows
 /// and every shorter last pass); the weight as it lies and, where the shape fits, in blocks
-/// (five blocks: a group and one more).
+/// (five blocks: a group and one more). The last shape holds the extremes only (`A - a_zero`
+/// of -255 and 255, weight bytes 0x80, 0x7f and 0xff read signed and unsigned): the largest
+/// products and sums a kernel must hold.
 #[wasm_bindgen_test]
 fn int8_kernel_is_exact() {
     use onnx_generate::model::ops::matmul_integer::{
         fits_blocks, matmul, to_blocks, Bytes, Layout,
     };
-    for (k, n) in [
-        (7usize, 5usize),
-        (33, 37),
-        (64, 48),
-        (70, 32),
-        (33, 90),
-        (8, 80),
-        (576, 64),
+    for (k, n, extremes) in [
+        (7usize, 5usize, false),
+        (33, 37, false),
+        (64, 48, false),
+        (70, 32, false),
+        (33, 90, false),
+        (8, 80, false),
+        (576, 64, false),
+        (1536, 32, true),
     ] {
-        let w: Vec<u8> = (0..k * n).map(|i| (i * 73 % 256) as u8).collect();
+        let w: Vec<u8> = (0..k * n)
+            .map(|i| match extremes {
+                false => (i * 73 % 256) as u8,
+                true => [0x80, 0x7f, 0xff][i / 7 % 3],
+            })
+            .collect();
         let mut in_blocks = vec![0u8; k * n];
         let layouts = if fits_blocks(k, n) {
             to_blocks(&w, k, n, &mut in_blocks);
@@ -632,7 +640,12 @@ fn int8_kernel_is_exact() {
             vec![(Layout::Rows, &w)]
         };
         for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13] {
-            let a: Vec<i16> = (0..rows * k).map(|i| (i * 97 % 511) as i16 - 255).collect();
+            let a: Vec<i16> = (0..rows * k)
+                .map(|i| match extremes {
+                    false => (i * 97 % 511) as i16 - 255,
+                    true => [255, -255][(i / 5 + i / 3) % 2],
+                })
+                .collect();
             for is_signed in [true, false] {
                 let want: Vec<i32> = (0..rows * n)
                     .map(|i| {
