@@ -200,8 +200,7 @@ async fn text_input_and_load_progress() {
     for file in ["model", "config", "generation_config", "tokenizer"] {
         let last = progress
             .iter()
-            .filter(|p| get(p, "file").as_string().as_deref() == Some(file))
-            .last()
+            .rfind(|p| get(p, "file").as_string().as_deref() == Some(file))
             .unwrap_or_else(|| panic!("no progress for {file}"));
         assert_eq!(get(&last, "loaded").as_f64(), get(&last, "total").as_f64());
     }

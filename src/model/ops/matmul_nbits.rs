@@ -941,8 +941,8 @@ mod kernels {
             dst.len()
         );
         let mask = u8x16_splat(0x0f);
-        for blk in 0..blocks {
-            let (zero, scale) = (f32x4_splat(zero(blk)), f32x4_splat(scales[blk]));
+        for (blk, &scale) in scales[..blocks].iter().enumerate() {
+            let (zero, scale) = (f32x4_splat(zero(blk)), f32x4_splat(scale));
             for g in blk * groups..(blk + 1) * groups {
                 // SAFETY: group g reads src[16g..16g+16] and writes dst[32g..32g+32], in
                 // bounds (asserted above); v128_load and v128_store accept unaligned addresses.
@@ -972,8 +972,8 @@ mod kernels {
             scales.len(),
             dst.len()
         );
-        for blk in 0..blocks {
-            let (zero, scale) = (f32x4_splat(zero(blk)), f32x4_splat(scales[blk]));
+        for (blk, &scale) in scales[..blocks].iter().enumerate() {
+            let (zero, scale) = (f32x4_splat(zero(blk)), f32x4_splat(scale));
             for c in blk * bs / 16..(blk + 1) * bs / 16 {
                 // SAFETY: chunk c reads src[16c..16c+16] and writes dst[16c..16c+16], in
                 // bounds (asserted above).
@@ -1000,7 +1000,7 @@ mod kernels {
         let groups = bs / GROUP;
         let mask = u8x16_splat(0x0f);
         let mut total = [f32x4_splat(0.0); 4];
-        for blk in 0..blocks {
+        for (blk, &scale) in scales[..blocks].iter().enumerate() {
             let z = u8x16_splat(zero(blk));
             let mut acc = [f32x4_splat(0.0); 4];
             for g in blk * groups..(blk + 1) * groups {
@@ -1027,7 +1027,7 @@ mod kernels {
                     }
                 }
             }
-            let scale = f32x4_splat(scales[blk]);
+            let scale = f32x4_splat(scale);
             for j in 0..4 {
                 total[j] = f32x4_add(total[j], f32x4_mul(acc[j], scale));
             }
