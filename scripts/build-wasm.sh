@@ -28,8 +28,9 @@ done
 # (+relaxed-simd: the f32 kernels multiply and add in one f32x4.relaxed_madd), built by the
 # command into its own target folder (cold the first time) with the cargo profile whose output
 # folder is PROFILE, as OUT/onnx_generate_bg_relaxed.wasm.
-# The package's init() loads it where the engine validates relaxed SIMD (Chromium, Node 22 and
-# later) and the plain one elsewhere (an engine without relaxed SIMD rejects the whole module).
+# The package's init() loads it where the engine validates relaxed SIMD and computes a probe of
+# it right (Chromium, Deno, Node 22 and later; scripts/finish-pkg.mjs) and the plain one
+# elsewhere (an engine without relaxed SIMD rejects the whole module).
 # Both run with OUT's glue: the closure shims and casts, which wasm-bindgen names after numbers
 # that differ between the builds, take OUT's names (scripts/align-exports.mjs, which fails if
 # the two glue files differ otherwise).

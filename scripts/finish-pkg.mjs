@@ -37,9 +37,10 @@ for (const name of ["class Model", "interface GenerateOptions", "interface Token
 if (!existsSync(inPkg("snippets"))) throw new Error(`${out}/snippets is missing`);
 
 // The wasm that init() loads by default: with scripts/build-wasm.sh's relaxed SIMD build in the
-// folder (pkg/onnx_generate_bg_relaxed.wasm), that one where the engine validates relaxed SIMD,
-// else the plain one. `wasmFile()` tells callers that read the bytes themselves (initSync in
-// Node, Deno, a Worker's bundled module) which file to read.
+// folder (pkg/onnx_generate_bg_relaxed.wasm), that one where the engine validates relaxed SIMD
+// and computes a probe of its instructions right, else the plain one. `wasmFile()` tells callers
+// that read the bytes themselves (initSync in Node, Deno, a Worker's bundled module) which file
+// to read.
 const glue = readFileSync(inPkg("onnx_generate.js"), "utf8");
 const relaxed = existsSync(inPkg("onnx_generate_bg_relaxed.wasm"));
 const defaultUrl = "new URL('onnx_generate_bg.wasm', import.meta.url)";
@@ -47,29 +48,81 @@ const picked = "new URL(wasmFile(), import.meta.url)";
 if (!glue.includes("export function wasmFile()")) {
   if (!glue.includes(defaultUrl)) throw new Error(`${out}/onnx_generate.js lacks ${defaultUrl}`);
   const helper = `
-/** A module of one function that returns \`f32x4.relaxed_madd\` of three zero vectors. */
-const RELAXED_SIMD_PROBE = new Uint8Array([0, 97, 115, 109, 1, 0, 0, 0, 1, 5, 1, 96, 0, 1, 123, 3, 2, 1, 0,
-    10, 61, 1, 59, 0, ...[0, 1, 2].flatMap(() => [253, 12, ...new Array(16).fill(0)]), 253, 133, 2, 11]);
+/**
+ * A module of one function, exported as \`f\`: 1 where \`i32x4.relaxed_dot_i8x16_i7x16_add_s\` and
+ * \`f32x4.relaxed_madd\` of constants give their exact values, else 0 (Node 20's relaxed SIMD,
+ * behind \`--experimental-wasm-relaxed-simd\`, returns twice the dot product and drops the sum
+ * it adds to).
+ */
+const RELAXED_SIMD_PROBE = new Uint8Array([${relaxedSimdProbe().join(", ")}]);
 
 /**
  * The package's wasm file for this engine: onnx_generate_bg_relaxed.wasm (the f32 kernels with
- * relaxed SIMD's multiply-add) where the engine validates relaxed SIMD and the package has it,
- * onnx_generate_bg.wasm otherwise. init() without arguments loads it.
+ * relaxed SIMD's multiply-add) where the engine validates relaxed SIMD, computes the probe right
+ * and the package has that file, onnx_generate_bg.wasm otherwise. init() without arguments loads
+ * it.
  * @returns {string}
  */
 export function wasmFile() {
-    const relaxed = ${relaxed} && WebAssembly.validate(RELAXED_SIMD_PROBE);
-    return relaxed ? 'onnx_generate_bg_relaxed.wasm' : 'onnx_generate_bg.wasm';
+    return ${relaxed} && relaxedSimdWorks() ? 'onnx_generate_bg_relaxed.wasm' : 'onnx_generate_bg.wasm';
+}
+
+function relaxedSimdWorks() {
+    if (!WebAssembly.validate(RELAXED_SIMD_PROBE)) return false;
+    try {
+        return new WebAssembly.Instance(new WebAssembly.Module(RELAXED_SIMD_PROBE)).exports.f() === 1;
+    } catch {
+        // An engine that compiles no wasm at run time (a Worker): its validation is all there is.
+        return true;
+    }
 }
 `;
   writeFileSync(inPkg("onnx_generate.js"), glue.replace(defaultUrl, picked) + helper);
   const declaration = `
 /**
  * The package's wasm file for this engine: onnx_generate_bg_relaxed.wasm where the engine has
- * relaxed SIMD (and the package has that build), onnx_generate_bg.wasm otherwise. The default
- * init() loads it; pass it to initSync when reading the bytes yourself.
+ * relaxed SIMD and computes a probe of it right (and the package has that build),
+ * onnx_generate_bg.wasm otherwise. The default init() loads it; pass it to initSync when reading
+ * the bytes yourself.
  */
 export function wasmFile(): string;
 `;
   writeFileSync(inPkg("onnx_generate.d.ts"), readFileSync(inPkg("onnx_generate.d.ts"), "utf8") + declaration);
+}
+
+/**
+ * The bytes of `RELAXED_SIMD_PROBE`: `f() -> i32` is 1 where `i32x4.relaxed_dot_i8x16_i7x16_add_s`
+ * (second operand within 0..127, no pair sum past i16) and `f32x4.relaxed_madd` (exact whether
+ * fused or not) of constants equal their exact values.
+ */
+function relaxedSimdProbe() {
+  const v128 = (bytes) => [0xfd, 0x0c, ...bytes];
+  const i8 = (xs) => xs.map((x) => x & 0xff);
+  const i32 = (xs) => [...new Uint8Array(new Int32Array(xs).buffer)];
+  const f32 = (x) => [...new Uint8Array(new Float32Array([x, x, x, x]).buffer)];
+  const a = [1, 2, 3, 4, 5, 6, 7, 8, -1, -2, -3, -4, 127, -128, 0, 0];
+  const b = [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 127, 127, 0, 0];
+  const sums = [1000, 2000, 3000, 4000];
+  const want = sums.map((s, l) => s + [0, 1, 2, 3].reduce((t, i) => t + a[4 * l + i] * b[4 * l + i], 0));
+  const allTrue = [0xfd, 0xa3, 0x01]; // i32x4.all_true
+  const body = [
+    0, // no locals
+    ...v128(i8(a)), ...v128(i8(b)), ...v128(i32(sums)),
+    0xfd, 0x93, 0x02, // i32x4.relaxed_dot_i8x16_i7x16_add_s
+    ...v128(i32(want)), 0xfd, 0x37, ...allTrue, // i32x4.eq
+    ...v128(f32(2)), ...v128(f32(3)), ...v128(f32(1)),
+    0xfd, 0x85, 0x02, // f32x4.relaxed_madd
+    ...v128(f32(7)), 0xfd, 0x41, ...allTrue, // f32x4.eq
+    0x71, // i32.and
+    0x0b,
+  ];
+  const leb = (n) => (n < 0x80 ? [n] : [(n & 0x7f) | 0x80, ...leb(n >> 7)]);
+  const code = [1, ...leb(body.length), ...body];
+  return [
+    0, 0x61, 0x73, 0x6d, 1, 0, 0, 0,
+    1, 5, 1, 0x60, 0, 1, 0x7f, // type: () -> i32
+    3, 2, 1, 0, // function 0 of that type
+    7, 5, 1, 1, 0x66, 0, 0, // export "f"
+    10, ...leb(code.length), ...code,
+  ];
 }

@@ -98,7 +98,8 @@ run_wasm_tests wasm_browser wasm_browser WASM_BINDGEN_TEST_TIMEOUT=300 CHROMEDRI
 
 node --test js-tests/api.test.mjs
 echo "test-wasm: package API tests in Node passed"
-# Again on the package's relaxed SIMD wasm, which wasmFile() must pick with relaxed SIMD on.
+# Again on the package's relaxed SIMD wasm (named: Node 20's flagged relaxed SIMD fails the
+# probe of wasmFile(), which then picks the plain one; js-tests/pkg.mjs).
 ONNX_GENERATE_WASM=relaxed node $relaxed_node_flag --test js-tests/api.test.mjs
 echo "test-wasm: package API tests in Node on onnx_generate_bg_relaxed.wasm passed"
 
