@@ -72,7 +72,7 @@ function relaxedSimdWorks() {
     try {
         return new WebAssembly.Instance(new WebAssembly.Module(RELAXED_SIMD_PROBE)).exports.f() === 1;
     } catch {
-        // An engine that compiles no wasm at run time (a Worker): its validation is all there is.
+        // An engine that compiles no wasm at run time (Cloudflare's Workers): validation is all there is.
         return true;
     }
 }
