@@ -67,14 +67,20 @@ export function wasmFile() {
     return ${relaxed} && relaxedSimdWorks() ? 'onnx_generate_bg_relaxed.wasm' : 'onnx_generate_bg.wasm';
 }
 
+/** The probe's answer, found at the first call: the engine does not change. */
+let relaxedSimd;
+
 function relaxedSimdWorks() {
-    if (!WebAssembly.validate(RELAXED_SIMD_PROBE)) return false;
-    try {
-        return new WebAssembly.Instance(new WebAssembly.Module(RELAXED_SIMD_PROBE)).exports.f() === 1;
-    } catch {
-        // An engine that compiles no wasm at run time (Cloudflare's Workers): validation is all there is.
-        return true;
-    }
+    relaxedSimd ??= (() => {
+        if (!WebAssembly.validate(RELAXED_SIMD_PROBE)) return false;
+        try {
+            return new WebAssembly.Instance(new WebAssembly.Module(RELAXED_SIMD_PROBE)).exports.f() === 1;
+        } catch {
+            // An engine that compiles no wasm at run time (Cloudflare's Workers): validation is all there is.
+            return true;
+        }
+    })();
+    return relaxedSimd;
 }
 `;
   writeFileSync(inPkg("onnx_generate.js"), glue.replace(defaultUrl, picked) + helper);
