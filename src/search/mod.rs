@@ -6,8 +6,13 @@ pub mod sampling;
 
 pub mod beam;
 
-/// Index of the largest score (the first one on ties, as `torch.argmax`).
+/// Index of the largest score (the first one on ties, as `torch.argmax`): a score replaces
+/// the best so far only when larger, so a NaN never wins unless it is the first score.
 pub fn argmax(scores: &[f32]) -> u32 {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    if let Some(best) = simd::argmax(scores) {
+        return best;
+    }
     let mut best = 0;
     for (i, &s) in scores.iter().enumerate() {
         if s > scores[best] {
@@ -15,6 +20,65 @@ pub fn argmax(scores: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// [`argmax`] in two vector passes (greedy decoding's vocabulary is tens of thousands of
+/// scores a step): the largest score that is not NaN, then the first index equal to it, which
+/// is the scalar loop's answer when the first score is not NaN (`==` also takes -0 and +0 as
+/// equal, as `>` does). `None` where the scalar loop decides (a NaN first, a short row).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+mod simd {
+    use core::arch::wasm32::*;
+
+    pub fn argmax(scores: &[f32]) -> Option<u32> {
+        let chunks = scores.len() / 16;
+        if chunks == 0 || scores[0].is_nan() {
+            return None;
+        }
+        let p = scores.as_ptr() as *const v128;
+        // `f32x4.pmax(m, v)` is `m < v ? v : m`: a NaN in `v` leaves `m`.
+        let mut m = [f32x4_splat(f32::NEG_INFINITY); 4];
+        for c in 0..chunks {
+            for (l, m) in m.iter_mut().enumerate() {
+                // SAFETY: values 16c + 4l..16c + 4l + 4 lie within the chunks; v128_load
+                // accepts unaligned addresses.
+                *m = f32x4_pmax(*m, unsafe { v128_load(p.add(4 * c + l)) });
+            }
+        }
+        let m = f32x4_pmax(f32x4_pmax(m[0], m[1]), f32x4_pmax(m[2], m[3]));
+        let lanes = [
+            f32x4_extract_lane::<0>(m),
+            f32x4_extract_lane::<1>(m),
+            f32x4_extract_lane::<2>(m),
+            f32x4_extract_lane::<3>(m),
+        ];
+        let max = lanes
+            .into_iter()
+            .chain(scores[16 * chunks..].iter().copied())
+            .fold(f32::NEG_INFINITY, |m, s| if s > m { s } else { m });
+        let target = f32x4_splat(max);
+        for c in 0..chunks {
+            // SAFETY: as above.
+            let hit = unsafe {
+                v128_or(
+                    v128_or(
+                        f32x4_eq(v128_load(p.add(4 * c)), target),
+                        f32x4_eq(v128_load(p.add(4 * c + 1)), target),
+                    ),
+                    v128_or(
+                        f32x4_eq(v128_load(p.add(4 * c + 2)), target),
+                        f32x4_eq(v128_load(p.add(4 * c + 3)), target),
+                    ),
+                )
+            };
+            if v128_any_true(hit) {
+                let at = scores[16 * c..16 * c + 16].iter().position(|&s| s == max)?;
+                return Some((16 * c + at) as u32);
+            }
+        }
+        let at = scores[16 * chunks..].iter().position(|&s| s == max)?;
+        Some((16 * chunks + at) as u32)
+    }
 }
 
 /// `log(sum(exp(scores)))`, stable; `-inf` when every score is `-inf`.

@@ -553,6 +553,67 @@ async fn js_logits_processor_bans_a_token_like_suppress_tokens() {
 /// The simd128 f16 kernels (`model::ops::linalg`, used by float16 models) against the f32
 /// kernels on the converted weights; row and column tails included. Without relaxed SIMD the
 /// dot products are the portable kernel's sums bit for bit (sixteen sums, added in order).
+/// `search::argmax` (two simd128 passes in wasm) gives the scalar loop's index: the first of
+/// equal maxima (-0 and +0 among them), NaN anywhere (first, last, in a tail), infinities,
+/// all `-inf`, lengths around the passes' chunks of 16.
+#[wasm_bindgen_test]
+fn argmax_is_the_scalar_loop() {
+    use onnx_generate::search::argmax;
+    fn scalar(scores: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &s) in scores.iter().enumerate() {
+            if s > scores[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let specials = [
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        3.5,
+        -3.5,
+    ];
+    let mut rows = vec![vec![f32::NEG_INFINITY; 40], vec![f32::NAN; 33]];
+    for len in [1usize, 15, 16, 17, 31, 32, 47, 48, 49, 64, 100, 49_152] {
+        for case in 0..24 {
+            let mut row: Vec<f32> = (0..len)
+                .map(|_| match next() % 8 {
+                    // Few distinct values, so that maxima repeat.
+                    0..=5 => (next() % 7) as f32 - 3.0,
+                    _ => specials[(next() % specials.len() as u64) as usize],
+                })
+                .collect();
+            if case % 4 == 0 {
+                row.iter_mut().for_each(|s| *s = s.abs().min(2.0) - 5.0);
+            }
+            if case % 6 == 1 {
+                row[len - 1] = 9.0;
+            }
+            rows.push(row);
+        }
+    }
+    for row in &rows {
+        let bits: Vec<u32> = row.iter().take(20).map(|s| s.to_bits()).collect();
+        assert_eq!(
+            argmax(row),
+            scalar(row),
+            "{} scores from {bits:x?}",
+            row.len()
+        );
+    }
+}
+
 #[wasm_bindgen_test]
 fn f16_kernels_match_the_f32_kernels() {
     use onnx_generate::model::ops::linalg::{axpy_rows, axpy_rows_f16, matvec_f16_nk};
