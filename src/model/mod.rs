@@ -10,6 +10,7 @@ pub mod ops;
 pub mod optimizer;
 pub mod padding_mask;
 pub mod seq2seq;
+pub mod session;
 pub mod signature;
 pub mod tract_decoder;
 pub mod typing;

@@ -17,6 +17,7 @@ use crate::decoder::{DecoderState, Logits};
 use crate::error::{backend, Error, Result};
 use crate::model::onnx::{specialize_bool_input, Decoded};
 use crate::model::ops::parallel::{self, Step};
+use crate::model::session::Session;
 use crate::model::signature::{Dtype, Signature, ONNX_INT32};
 use crate::model::tract_decoder::{
     int_tensor, last_logits, optimize, output_names, parse_graph_owned, shared_initializers,
@@ -241,6 +242,7 @@ impl Seq2Seq {
             cross: vec![None; layers],
             lengths: vec![0; rows_of.len()],
             scratch: vec![],
+            session: Session::default(),
         }))
     }
 
@@ -536,6 +538,8 @@ struct Seq2SeqState {
     lengths: Vec<usize>,
     /// Rows in transit during an in-place reorder, kept between steps.
     scratch: Vec<u8>,
+    /// tract's state of the last step's plan.
+    session: Session,
 }
 
 impl DecoderState for Seq2SeqState {
@@ -623,7 +627,8 @@ impl DecoderState for Seq2SeqState {
         } else {
             Step::Other
         };
-        let outputs = parallel::team(kind, || plan.runnable.run(inputs)).map_err(backend)?;
+        let outputs =
+            parallel::team(kind, || self.session.run(&plan.runnable, inputs)).map_err(backend)?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             self.cache[l] = Some((
                 outputs[k].clone().into_arc_tensor(),

@@ -16,6 +16,7 @@ use crate::model::onnx::{into_typed, is_number, specialize_bool_input, Apart, De
 use crate::model::ops::matmul_runtime::past_where_it_lies;
 use crate::model::ops::matmul_weights::{Weights, WeightsOp};
 use crate::model::ops::parallel::{self, Step};
+use crate::model::session::Session;
 use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32};
 use crate::vision::RowInputs;
 
@@ -210,7 +211,7 @@ impl TractDecoder {
             broken: false,
             rows: row_inputs,
             bounded: false,
-            session: None,
+            session: Session::default(),
         }))
     }
 }
@@ -692,9 +693,8 @@ struct TractState {
     /// Greedy decoding: a decoding step of one row returns upper bounds of its logits
     /// (`DecoderState::bound_logits`).
     bounded: bool,
-    /// tract's state for the plan of the last step, run again by the next step of the same
-    /// plan (`TractState::run`).
-    session: Option<TypedSimpleState>,
+    /// tract's state of the last step's plan.
+    session: Session,
 }
 
 impl DecoderState for TractState {
@@ -936,20 +936,7 @@ impl TractState {
             };
             inputs.push(v);
         }
-        // A state that tract's `SimplePlan::run` would build and drop at every step: one slot
-        // per node, the plan's constants and every op's session, hundreds of nodes (0.3 ms
-        // of a SmolLM2 step in wasm). Kept while no op holds a state of its own between runs
-        // (decoder graphs have none), and dropped when a run fails.
-        let reuse = matches!(&self.session, Some(s) if Arc::ptr_eq(s.plan(), &plan.runnable));
-        let mut session = match self.session.take() {
-            Some(session) if reuse => session,
-            _ => plan.runnable.spawn().map_err(backend)?,
-        };
-        let outputs = session.run(inputs).map_err(backend)?;
-        if session.op_states.iter().all(Option::is_none) {
-            self.session = Some(session);
-        }
-        Ok(outputs)
+        self.session.run(&plan.runnable, inputs).map_err(backend)
     }
 }
 
@@ -1129,7 +1116,7 @@ mod tests {
             broken: false,
             rows: None,
             bounded: false,
-            session: None,
+            session: Session::default(),
         }
     }
 
