@@ -569,12 +569,22 @@ impl Params<'_> {
     fn columns4_dot(&self, first: usize, b: &[u8]) -> Option<[f32; 4]> {
         let row = self.quantized?;
         let shift = (self.bs / GROUP).trailing_zeros();
-        let column = |c: usize| (first + c) * self.blocks..(first + c + 1) * self.blocks;
-        let src = [0, 1, 2, 3].map(|c| {
-            let blocks = column(c);
-            &b[blocks.start * self.blob..blocks.end * self.blob]
-        });
-        let scales = [0, 1, 2, 3].map(|c| &self.scales[column(c)]);
+        // The four columns lie one after the other.
+        let (blocks, bytes) = (self.blocks, self.blocks * self.blob);
+        let b = b.get(first * bytes..(first + 4) * bytes)?;
+        let src = [
+            &b[..bytes],
+            &b[bytes..2 * bytes],
+            &b[2 * bytes..3 * bytes],
+            &b[3 * bytes..],
+        ];
+        let s = self.scales.get(first * blocks..(first + 4) * blocks)?;
+        let scales = [
+            &s[..blocks],
+            &s[blocks..2 * blocks],
+            &s[2 * blocks..3 * blocks],
+            &s[3 * blocks..],
+        ];
         match self.zp {
             Zero::Default => Some(kernels::q4_columns4_i16(src, row, shift, scales, |_, _| 8)),
             Zero::Packed(_) => Some(kernels::q4_columns4_i16(
