@@ -5,7 +5,7 @@
 //! an int8 copy of the weight, one scale per row, gives an upper bound of every logit: the
 //! loop then computes exactly only the logits whose bound can win (`generate.rs`); with
 //! q4 SmolLM2 1 to 10 of 49,152 a step (a median of 2). The int8 pass reads 28 MB instead of
-//! the f32 head's 113 MB: about 4.6 ms against 11-14 ms of a q4 step in wasm.
+//! the f32 head's 113 MB: about 4 ms against 11-14 ms of a q4 step in wasm.
 //!
 //! The bound of logit `j` for the input `x` (`L_j`, the f32 kernel's value of `x . w_j`):
 //! - `x` is rounded to integers `X_i` with the scale `sx` (`|x_i - sx X_i| <= dx`), row `j` of
@@ -107,7 +107,8 @@ impl LmHead {
         parallel::by_columns(out, 1, n, 4, parts, |cols, piece| {
             for (c, o) in piece.chunks_mut(4).enumerate() {
                 let first = cols.start + 4 * c;
-                let sums = dot_i8x4(&x.values, rows.rows(first, o.len(), k));
+                let panel = rows.panels && o.len() == 4;
+                let sums = dot_i8x4(&x.values, rows.rows(first, o.len(), k), panel);
                 for (r, (o, i)) in o.iter_mut().zip(sums).enumerate() {
                     *o = bound_of(first + r, i);
                 }
@@ -156,10 +157,14 @@ fn bound(scale: f32, i: i32, slack: f32) -> f32 {
 /// The weight rounded to int8, one scale per row, with each row's terms of the bound.
 #[derive(Debug)]
 struct Int8Rows {
-    /// `[n, k]`, row-major (whatever the weight's layout), in blocks of `BLOCK_ROWS` rows:
-    /// pieces that fit in the holes the load leaves in the heap, where one allocation of
-    /// the whole would grow the memory by all of it.
+    /// `[n, k]` (whatever the weight's layout), in blocks of `BLOCK_ROWS` rows: pieces that
+    /// fit in the holes the load leaves in the heap, where one allocation of the whole would
+    /// grow the memory by all of it. Row-major, or with `panels` each four rows `4p..4p + 4`
+    /// (the last `n % 4` rows stay rows) interleaved sixteen values at a time:
+    /// `[n / 4, k / 16, 4, 16]`, so that `dot_i8x4` reads one stream, not four.
     q: Vec<Vec<i8>>,
+    /// Whether the rows are in panels (`k` a multiple of 16).
+    panels: bool,
     /// `s_j`: `max |w_j| / 127`.
     scale: Vec<f32>,
     /// `p_j >= s_j |Q_j|_1`.
@@ -170,6 +175,11 @@ struct Int8Rows {
 
 /// Rows of a block of `Int8Rows::q` (a multiple of four, so that `dot_i8x4`'s rows lie in one).
 const BLOCK_ROWS: usize = 512;
+
+/// Whether rows of `k` values go in panels (`Int8Rows::q`).
+fn panels(k: usize) -> bool {
+    k.is_multiple_of(16)
+}
 
 impl Int8Rows {
     /// Rows `first..first + count` (within one block).
@@ -188,6 +198,7 @@ impl Int8Rows {
         .collect();
         let mut rows = Int8Rows {
             q: Vec::with_capacity(blocks),
+            panels: panels(op.k),
             scale: Vec::with_capacity(op.n),
             p: Vec::with_capacity(op.n),
             r: Vec::with_capacity(op.n),
@@ -210,7 +221,9 @@ impl Int8Rows {
         let mut q = vec![0i8; count * k];
         let (mut scale, mut p, mut r) = (vec![0f32; count], vec![0f32; count], vec![0f32; count]);
         let mut row = vec![0f32; k];
+        let mut values = vec![0i8; k];
         let gamma = 2.0 * k as f64 * U;
+        let in_panels = if panels(k) { count / 4 * 4 } else { 0 };
         for at in 0..count {
             let w = weight_row(op, weight, first + at, &mut row)?;
             let max = max_abs(w)?;
@@ -219,17 +232,28 @@ impl Int8Rows {
             // relative error (subnormal scales) becomes zeros, within `max` of the weights.
             let (s, err, l1) = if max >= TINY {
                 let s = max / 127.0;
-                let l1 = quantize_row(w, 1.0 / s, &mut q[at * k..(at + 1) * k]);
+                let l1 = quantize_row(w, 1.0 / s, &mut values);
                 (s, s as f64 * (0.5 + 1.0 / 32768.0), l1)
             } else {
+                values.fill(0);
                 (0.0, max as f64, 0)
             };
+            if at < in_panels {
+                let panel = &mut q[at / 4 * 4 * k..(at / 4 + 1) * 4 * k];
+                for (c, v) in values.chunks_exact(16).enumerate() {
+                    let to = 64 * c + 16 * (at % 4);
+                    panel[to..to + 16].copy_from_slice(v);
+                }
+            } else {
+                q[at * k..(at + 1) * k].copy_from_slice(&values);
+            }
             scale[at] = s;
             p[at] = up(s as f64 * l1 as f64);
             r[at] = up(err + gamma * max as f64);
         }
         Some(Int8Rows {
             q: vec![q],
+            panels: panels(k),
             scale,
             p,
             r,
@@ -353,17 +377,30 @@ fn quantize_values(w: &[f32], inv: f32, q: &mut [i8]) -> u32 {
 }
 
 /// `sum_i x_i q_ri` for the rows `r` of `q` (`q.len() / x.len()` of them, at most four; the
-/// others 0), exact (the caller keeps them within i32).
-fn dot_i8x4(x: &[i16], q: &[i8]) -> [i32; 4] {
+/// others 0), exact (the caller keeps them within i32). With `panel`, `q` is four rows in
+/// the panel layout (`Int8Rows::q`; `x.len()` a multiple of 16).
+fn dot_i8x4(x: &[i16], q: &[i8], panel: bool) -> [i32; 4] {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     {
-        kernels::dot_i8x4(x, q)
+        kernels::dot_i8x4(x, q, panel)
     }
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
     {
+        let len = x.len().max(1);
+        let at = |r: usize, i: usize| {
+            if panel {
+                i / 16 * 64 + 16 * r + i % 16
+            } else {
+                r * len + i
+            }
+        };
         let mut out = [0i32; 4];
-        for (o, row) in out.iter_mut().zip(q.chunks_exact(x.len().max(1))) {
-            *o = x.iter().zip(row).map(|(&a, &b)| a as i32 * b as i32).sum();
+        for (r, o) in out.iter_mut().enumerate().take(q.len() / len) {
+            *o = x
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| a as i32 * q[at(r, i)] as i32)
+                .sum();
         }
         out
     }
@@ -431,21 +468,28 @@ mod kernels {
     /// `dot_i8x4` with simd128: sixteen values of `x` loaded once for the rows, each row's
     /// sixteen weights widened to two i16x8 and multiplied pairwise into i32 lanes
     /// (`i32x4.dot_i16x8_s`); two sums a row, eight independent ones for four rows.
-    pub fn dot_i8x4(x: &[i16], q: &[i8]) -> [i32; 4] {
+    pub fn dot_i8x4(x: &[i16], q: &[i8], panel: bool) -> [i32; 4] {
         let len = x.len();
         let rows = q.len().checked_div(len).unwrap_or(0).min(4);
         if rows < 4 {
             let mut out = [0i32; 4];
             for (r, o) in out.iter_mut().enumerate().take(rows) {
-                *o = dot_rows::<1>(x, &q[r * len..(r + 1) * len])[0];
+                *o = dot_rows::<1, false>(x, &q[r * len..(r + 1) * len])[0];
             }
             return out;
         }
-        dot_rows::<4>(x, q)
+        if panel {
+            dot_rows::<4, true>(x, q)
+        } else {
+            dot_rows::<4, false>(x, q)
+        }
     }
 
+    /// Sixteen values of row `r` from value `16c` lie at `16c * R + 16r` in a panel of `R`
+    /// rows, at `r len + 16c` in rows (with the tail of each row, `len % 16` values, only
+    /// there).
     #[inline(always)]
-    fn dot_rows<const R: usize>(x: &[i16], q: &[i8]) -> [i32; 4] {
+    fn dot_rows<const R: usize, const PANEL: bool>(x: &[i16], q: &[i8]) -> [i32; 4] {
         let len = x.len();
         assert!(
             q.len() >= R * len,
@@ -462,7 +506,12 @@ mod kernels {
                 let x0 = v128_load(xp.add(16 * c) as *const v128);
                 let x1 = v128_load(xp.add(16 * c + 8) as *const v128);
                 for (r, acc) in acc.iter_mut().enumerate() {
-                    let w = v128_load(qp.add(r * len + 16 * c) as *const v128);
+                    let at = if PANEL {
+                        16 * (c * R + r)
+                    } else {
+                        r * len + 16 * c
+                    };
+                    let w = v128_load(qp.add(at) as *const v128);
                     acc[0] = i32x4_add(acc[0], i32x4_dot_i16x8(x0, i16x8_extend_low_i8x16(w)));
                     acc[1] = i32x4_add(acc[1], i32x4_dot_i16x8(x1, i16x8_extend_high_i8x16(w)));
                 }

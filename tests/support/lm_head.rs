@@ -80,8 +80,16 @@ fn head(w: &[f32], k: usize, n: usize, layout: Layout, f16_weights: bool, dt: Da
 /// least its logit and at most `|x|_1 max |w_j| / 100` above it, and the same in parts; an
 /// input or a weight that is not finite gives no bounds.
 pub fn check_bounds() {
-    // 1030 rows: the int8 copy's blocks of 512 rows, and a partial one.
-    for (k, n) in [(4, 9), (20, 13), (36, 130), (576, 23), (20, 1030)] {
+    // 1030 rows: the int8 copy's blocks of 512 rows, and a partial one; `k` a multiple of 16:
+    // the copy in panels of four rows, and the last `n % 4` rows as rows.
+    for (k, n) in [
+        (4, 9),
+        (20, 13),
+        (36, 130),
+        (576, 23),
+        (20, 1030),
+        (48, 1030),
+    ] {
         let w = weights(k, n, 0x243f_6a88_85a3_08d3 ^ k as u64);
         let cases = [
             (Layout::Nk, false, f32::datum_type()),
