@@ -26,6 +26,9 @@ pub fn argmax(scores: &[f32]) -> u32 {
 /// scores a step): the largest score that is not NaN, then the first index equal to it, which
 /// is the scalar loop's answer when the first score is not NaN (`==` also takes -0 and +0 as
 /// equal, as `>` does). `None` where the scalar loop decides (a NaN first, a short row).
+/// NaNs become `-inf` before the maximum: no max instruction's NaN rule is relied on (the
+/// relaxed build's code in Node 20 with `--experimental-wasm-relaxed-simd` let a NaN replace
+/// a lane's maximum under `f32x4.pmax`).
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 mod simd {
     use core::arch::wasm32::*;
@@ -36,13 +39,15 @@ mod simd {
             return None;
         }
         let p = scores.as_ptr() as *const v128;
-        // `f32x4.pmax(m, v)` is `m < v ? v : m`: a NaN in `v` leaves `m`.
-        let mut m = [f32x4_splat(f32::NEG_INFINITY); 4];
+        let low = f32x4_splat(f32::NEG_INFINITY);
+        let mut m = [low; 4];
         for c in 0..chunks {
             for (l, m) in m.iter_mut().enumerate() {
                 // SAFETY: values 16c + 4l..16c + 4l + 4 lie within the chunks; v128_load
                 // accepts unaligned addresses.
-                *m = f32x4_pmax(*m, unsafe { v128_load(p.add(4 * c + l)) });
+                let v = unsafe { v128_load(p.add(4 * c + l)) };
+                let v = v128_bitselect(v, low, f32x4_eq(v, v));
+                *m = f32x4_pmax(*m, v);
             }
         }
         let m = f32x4_pmax(f32x4_pmax(m[0], m[1]), f32x4_pmax(m[2], m[3]));
