@@ -19,7 +19,9 @@ use tract_onnx::tract_core::ops::array::{MultiBroadcastTo, TypedConcat};
 use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
-use super::linalg::{axpy_rows, axpy_rows_with, panels_from_rows, transpose_nk, transpose_panels};
+use super::linalg::{
+    axpy_rows, axpy_rows_with, dot4, panels_from_rows, transpose_nk, transpose_panels,
+};
 use super::matmul_weights::{self, Layout};
 
 /// From this many rows of `A` (a prompt, an encoder), `B` is transposed for the prompt kernel;
@@ -236,8 +238,8 @@ impl EvalOp for RuntimeOp {
                 [(past, p, _), (new, s, _)] if self.trans_b => {
                     let (past, new) = (&past[ib[0]..ib[0] + p * k], &new[ib[1]..ib[1] + s * k]);
                     let (cp, cs) = c.split_at_mut(p);
-                    matmul_weights::matmul_f32_nk(xb, 1, past, k, p, Layout::Nk, cp);
-                    matmul_weights::matmul_f32_nk(xb, 1, new, k, s, Layout::Nk, cs);
+                    key_scores(xb, past, cp);
+                    key_scores(xb, new, cs);
                 }
                 [(past, p, _), (new, s, _)] => {
                     let (past, new) = (&past[ib[0]..ib[0] + p * n], &new[ib[1]..ib[1] + s * n]);
@@ -309,6 +311,7 @@ pub(super) fn ready<'a>(
 pub(super) fn multiply(b: &Ready, xb: &[f32], k: usize, n: usize, c: &mut [f32]) {
     let rows = xb.len() / k.max(1);
     match *b {
+        Ready::Nk(w) if rows == 1 => key_scores(xb, &w[..k * n], c),
         Ready::Nk(w) => matmul_weights::matmul_f32_nk(xb, rows, w, k, n, Layout::Nk, c),
         Ready::Copy(w, layout) => matmul_weights::matmul_f32_nk(xb, rows, w, k, n, layout, c),
         Ready::Rows(w) => {
@@ -317,6 +320,28 @@ pub(super) fn multiply(b: &Ready, xb: &[f32], k: usize, n: usize, c: &mut [f32])
             }
         }
     }
+}
+
+/// `out[j] = x . keys[j]` for the `out.len()` rows of `keys` (`[n, x.len()]`, a decoding
+/// step's keys where they lie): four keys a pass over `x` (`dot4`: each value of `x` loaded
+/// once for four keys, four independent sums), the last `n % 4` through a copy padded with
+/// zeros. Each key's sum is computed alone, in the same order wherever it lies, so
+/// the keys in one part and in two (`past_where_it_lies`) give the same bits.
+fn key_scores(x: &[f32], keys: &[f32], out: &mut [f32]) {
+    let k = x.len();
+    let parts = super::parallel::parts_for(k * out.len());
+    super::parallel::by_columns(out, 1, out.len(), 4, parts, |cols, block| {
+        for (at, o) in cols.clone().step_by(4).zip(block.chunks_mut(4)) {
+            let rows = &keys[at * k..(at + o.len()) * k];
+            if o.len() == 4 {
+                o.copy_from_slice(&dot4(x, rows));
+            } else {
+                let mut padded = vec![0f32; 4 * k];
+                padded[..rows.len()].copy_from_slice(rows);
+                o.copy_from_slice(&dot4(x, &padded)[..o.len()]);
+            }
+        }
+    });
 }
 
 /// Grouped-query attention without repeated keys and values: a `MatMulRuntime` whose `B` is
