@@ -107,7 +107,7 @@ impl LmHead {
         parallel::by_columns(out, 1, n, 4, parts, |cols, piece| {
             for (c, o) in piece.chunks_mut(4).enumerate() {
                 let first = cols.start + 4 * c;
-                let panel = rows.panels && o.len() == 4;
+                let panel = panels(k) && o.len() == 4;
                 let sums = dot_i8x4(&x.values, rows.rows(first, o.len(), k), panel);
                 for (r, (o, i)) in o.iter_mut().zip(sums).enumerate() {
                     *o = bound_of(first + r, i);
@@ -159,12 +159,10 @@ fn bound(scale: f32, i: i32, slack: f32) -> f32 {
 struct Int8Rows {
     /// `[n, k]` (whatever the weight's layout), in blocks of `BLOCK_ROWS` rows: pieces that
     /// fit in the holes the load leaves in the heap, where one allocation of the whole would
-    /// grow the memory by all of it. Row-major, or with `panels` each four rows `4p..4p + 4`
+    /// grow the memory by all of it. Row-major, or (`panels(k)`) each four rows `4p..4p + 4`
     /// (the last `n % 4` rows stay rows) interleaved sixteen values at a time:
     /// `[n / 4, k / 16, 4, 16]`, so that `dot_i8x4` reads one stream, not four.
     q: Vec<Vec<i8>>,
-    /// Whether the rows are in panels (`k` a multiple of 16).
-    panels: bool,
     /// `s_j`: `max |w_j| / 127`.
     scale: Vec<f32>,
     /// `p_j >= s_j |Q_j|_1`.
@@ -198,7 +196,6 @@ impl Int8Rows {
         .collect();
         let mut rows = Int8Rows {
             q: Vec::with_capacity(blocks),
-            panels: panels(op.k),
             scale: Vec::with_capacity(op.n),
             p: Vec::with_capacity(op.n),
             r: Vec::with_capacity(op.n),
@@ -253,7 +250,6 @@ impl Int8Rows {
         }
         Some(Int8Rows {
             q: vec![q],
-            panels: panels(k),
             scale,
             p,
             r,

@@ -325,8 +325,8 @@ pub(super) fn multiply(b: &Ready, xb: &[f32], k: usize, n: usize, c: &mut [f32])
 /// `out[j] = x . keys[j]` for the `out.len()` rows of `keys` (`[n, x.len()]`, a decoding
 /// step's keys where they lie): four keys a pass over `x` (`dot4`: each value of `x` loaded
 /// once for four keys, four independent sums), the last `n % 4` through a copy padded with
-/// zeros. Each key's sum is computed alone, in the same order wherever it lies, so
-/// the keys in one part and in two (`past_where_it_lies`) give the same bits.
+/// zeros. Each key's sum is computed alone, in the same order wherever it lies, so the keys
+/// in one part and in two (`past_where_it_lies`) give the same bits.
 fn key_scores(x: &[f32], keys: &[f32], out: &mut [f32]) {
     let k = x.len();
     let parts = super::parallel::parts_for(k * out.len());
