@@ -294,7 +294,9 @@ pub fn matvec_f16_nk(x: &[f32], w: &[u16], out: &mut [f32]) {
                 .checked_div(k)
                 .map_or(out.len(), |r| r.min(out.len()));
             for (j, o) in out[..rows].iter_mut().enumerate() {
-                *o = kernels::dot_f16_scaled(&xs, w, j * k);
+                // The next row's lines requested all at once while this row is multiplied.
+                touch(w.get((j + 1) * k..(j + 2) * k).unwrap_or(&[]));
+                *o = kernels::dot_f16_scaled(&xs, &w[j * k..(j + 1) * k]);
             }
         }
         None => {
@@ -371,9 +373,9 @@ mod kernels {
     /// `x` in the order `dot_f16_scaled` takes it: as it is.
     pub fn order_for_dot_f16(_x: &mut [f32]) {}
 
-    /// `dot_f16_with` of `x` and the row `w[at..at + x.len()]`.
-    pub fn dot_f16_scaled(x: &[f32], w: &[u16], at: usize) -> f32 {
-        dot_f16_with(x, &w[at..at + x.len()], f16_scaled)
+    /// `dot_f16_with` of `x` and the row `w`.
+    pub fn dot_f16_scaled(x: &[f32], w: &[u16]) -> f32 {
+        dot_f16_with(x, w, f16_scaled)
     }
 
     pub fn axpy_rows_f16_scaled(x: &[f32], w: &[u16], stride: usize, out: &mut [f32]) {
@@ -533,16 +535,14 @@ mod kernels {
     /// five simd operations, the even ones shifted up and both arithmetic-shifted into place
     /// and masked (`f16_scaled`'s bits), against seven for `load8`'s widening of the low and
     /// high halves. Lane `l` of sum `2h + p` holds the weights `8h + 2l + p` of each chunk of
-    /// sixteen, so the sums are added in the portable kernel's order. The row is
-    /// `all[at..at + x.len()]`; the rows after it are read ahead (`touch_ahead`).
-    pub fn dot_f16_scaled(x: &[f32], all: &[u16], at: usize) -> f32 {
-        let w = &all[at..at + x.len()];
+    /// sixteen, so the sums are added in the portable kernel's order.
+    pub fn dot_f16_scaled(x: &[f32], w: &[u16]) -> f32 {
+        let w = &w[..x.len()];
         let len = x.len();
         let chunks = len / 16;
         let mask = u32x4_splat(0x8fff_e000);
         let mut acc = [f32x4_splat(0.0); 4];
         for c in 0..chunks {
-            super::touch_ahead(all, at + 16 * c);
             // SAFETY: chunk c covers x[16c..16c+16] and w[16c..16c+16], within `len`;
             // v128_load accepts unaligned addresses.
             unsafe {
