@@ -18,7 +18,7 @@ use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::NodeProto;
 use tract_onnx::tract_hir::internal::*;
 
-use super::linalg::{dot, dot4, dot4x2};
+use super::linalg::{dot, dot4, dot4x2, touch};
 use super::{initializer_dims, input_slot, matmul_output_fact, node_label};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -424,6 +424,9 @@ impl Params<'_> {
             while col < cols.end {
                 let at = col - cols.start;
                 if col + 4 <= cols.end {
+                    // The next four columns' lines requested all at once (`touch`) while
+                    // these four are multiplied.
+                    self.touch_columns(col + 4..(col + 8).min(cols.end), b);
                     if let Some(sums) = self.columns4_dot(col, b) {
                         block[at..at + 4].copy_from_slice(&sums);
                         col += 4;
@@ -562,6 +565,17 @@ impl Params<'_> {
                 ((byte >> (bit % 8)) & ((1u16 << self.bits) - 1) as u8) as f32
             }
         }
+    }
+
+    /// Reads the packed blocks and the scales of columns `cols` into the cache.
+    fn touch_columns(&self, cols: std::ops::Range<usize>, b: &[u8]) {
+        let bytes = self.blocks * self.blob;
+        touch(b.get(cols.start * bytes..cols.end * bytes).unwrap_or(&[]));
+        touch(
+            self.scales
+                .get(cols.start * self.blocks..cols.end * self.blocks)
+                .unwrap_or(&[]),
+        );
     }
 
     /// [`Params::column_dot`] of columns `first..first + 4` with the 16-bit row
