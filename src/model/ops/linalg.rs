@@ -105,37 +105,25 @@ pub fn panels_from_rows<T: Copy>(src: &[T], k: usize, n: usize, dst: &mut [T]) {
     dst[full * k..].copy_from_slice(&src[full * k..]);
 }
 
-/// Reads one value in each 64 bytes of `values`, so that a prompt kernel then finds them in
-/// the cache. A kernel's own first pass over weights in memory keeps few cache lines in flight
-/// (the processor runs ahead of the load it waits for by a few hundred instructions, a dozen
-/// of the kernel's iterations), where this loop keeps dozens. In Node, SmolLM2's 37-token
-/// prompt (after the first of a process) took 256 ms for fp32 with the weights read so first
-/// against 267 without, 265.5 against 272 for fp16; 224 ms for fp32 with the weights in the
-/// cache all along (the same arithmetic over one part of them again and again).
+/// Reads one value in each 64 bytes of `values`, so that a kernel then finds them in the
+/// cache. A kernel's own pass over weights in memory keeps few cache lines in flight: the
+/// processor runs ahead of the load it waits for by a few hundred instructions, which for a
+/// kernel with much arithmetic per byte (f16 widened in registers, 4 and 8 bits) is a dozen
+/// lines or fewer, where this loop keeps dozens. A prompt kernel reads the weights it will
+/// multiply with many rows first: in Node, SmolLM2's 37-token prompt (after the first of a
+/// process) took 256 ms for fp32 with the weights read so first against 267 without, 265.5
+/// against 272 for fp16; 224 ms for fp32 with the weights in the cache all along. A decoding
+/// kernel reads the next row (f16), four columns (4 bits) or block (int8) while it multiplies
+/// the current one: in Node (builds with names, alternating runs, the median ms a token of 64)
+/// fp16 SmolLM2 decoded in 40-41 ms against 48-51 with one read 2 KB ahead per sixteen
+/// weights, q4 in 18.7-19.7 against 19.8-21.6, int8 in 20.1-22.2 against 21.9-22.6. fp32's
+/// kernels, bound by the memory, ran slower with it, and the `lm_head`'s int8 bounds did not
+/// gain. A standalone wasm benchmark of the f16 row kernel (57.6 M weights from memory):
+/// 2.4 G weights/s with the read 2 KB ahead, 3.6 with the next row's lines read at once, 8.5
+/// from the cache; a plain sum of the same bytes 5.6.
 pub fn touch<T: Copy>(values: &[T]) {
     let step = (64 / std::mem::size_of::<T>()).max(1);
     for v in values.iter().step_by(step) {
-        // SAFETY: `v` refers to a value of the slice; the read is only there to be made.
-        unsafe { std::ptr::read_volatile(v) };
-    }
-}
-
-/// How far past a decoding kernel's reads [`touch_ahead`] reads: 2 KB, 32 cache lines.
-const AHEAD_BYTES: usize = 2048;
-
-/// Reads the value [`AHEAD_BYTES`] past `values[at]` (the last value where that is past the
-/// end). A decoding kernel that streams its weights from memory calls it once or twice per
-/// cache line it reads, with `at` where it reads, so that each line is on its way well before
-/// the kernel needs it. Its own loads run only a dozen iterations ahead of its arithmetic, and
-/// where that arithmetic is long per byte the prefetcher alone leaves the memory's latency
-/// showing. In Node (a build with names, alternating runs, medians of 48 tokens) int8 SmolLM2
-/// decoded in 31.3-31.5 ms a token against 33.4-33.8 ms without (0.5 to 8 KB ahead: 30.7 to
-/// 31.6 ms), fp16 in 54-59 ms against 64 (two sets of runs). fp32's panels and `lm_head` and
-/// q4's kernel did not gain.
-#[inline(always)]
-pub fn touch_ahead<T: Copy>(values: &[T], at: usize) {
-    let i = (at + AHEAD_BYTES / std::mem::size_of::<T>()).min(values.len().saturating_sub(1));
-    if let Some(v) = values.get(i) {
         // SAFETY: `v` refers to a value of the slice; the read is only there to be made.
         unsafe { std::ptr::read_volatile(v) };
     }

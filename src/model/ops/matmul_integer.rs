@@ -716,7 +716,7 @@ mod kernels {
 mod kernels {
     use core::arch::wasm32::*;
 
-    use super::super::linalg::touch_ahead;
+    use super::super::linalg::touch;
 
     /// `(a, b)` as one i32: a splat of it is the i16x8 multiplier of a pair of weight rows.
     #[inline(always)]
@@ -800,18 +800,19 @@ mod kernels {
     /// 14 simd operations per 32 weights, no sums loaded or stored, where `matvec` takes 20:
     /// in Node, SmolLM2's `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights
     /// streamed from memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time
-    /// was 1268 ms against 1454 (the prompt's widening included). The blocks after the
-    /// current one are read ahead (`touch_ahead`).
+    /// was 1268 ms against 1454 (the prompt's widening included). The block after the
+    /// current one is read into the cache at once (`touch`).
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
         for (b, o) in out.chunks_exact_mut(16).enumerate() {
             let mut acc = [i32x4_splat(0); 8];
+            // The next block's lines requested all at once while this one is multiplied.
+            touch(w.get(16 * k * (b + 1)..16 * k * (b + 2)).unwrap_or(&[]));
             // SAFETY: block b is bytes 16 k b..16 k (b + 1) of w, quad q its bytes 64 q..64 q
             // + 64 (q < k / 4), and a[4q..4q + 4] within a (asserted); loads are unaligned.
             unsafe {
                 let p = w.as_ptr().add(16 * k * b);
                 for q in 0..k / 4 {
-                    touch_ahead(w, 16 * k * b + 64 * q);
                     let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
                     for j in 0..4 {
                         let (lo, hi) =
