@@ -23,6 +23,7 @@ use tract_onnx::prelude::*;
 
 use crate::decoder::Head;
 use crate::error::{backend, Error, Result};
+use crate::model::ops::linalg::{runs, touch};
 use crate::model::ops::matmul_weights::{one_output, product, Layout, Weights};
 use crate::model::ops::parallel;
 
@@ -104,13 +105,23 @@ impl LmHead {
             )
         };
         // Ranges of a multiple of four rows, so that each four lie in one block of the copy.
+        // Each run of fours (`runs`) read into the cache (`touch`) before its products.
         parallel::by_columns(out, 1, n, 4, parts, |cols, piece| {
-            for (c, o) in piece.chunks_mut(4).enumerate() {
+            let rows_of = |c: usize| {
                 let first = cols.start + 4 * c;
-                let panel = panels(k) && o.len() == 4;
-                let sums = dot_i8x4(&x.values, rows.rows(first, o.len(), k), panel);
-                for (r, (o, i)) in o.iter_mut().zip(sums).enumerate() {
-                    *o = bound_of(first + r, i);
+                rows.rows(first, 4.min(cols.end - first), k)
+            };
+            for run in runs(piece.len().div_ceil(4), 4 * k) {
+                run.clone().for_each(|c| touch(rows_of(c)));
+                for c in run {
+                    let first = cols.start + 4 * c;
+                    let end = (4 * c + 4).min(piece.len());
+                    let o = &mut piece[4 * c..end];
+                    let panel = panels(k) && o.len() == 4;
+                    let sums = dot_i8x4(&x.values, rows_of(c), panel);
+                    for (r, (o, i)) in o.iter_mut().zip(sums).enumerate() {
+                        *o = bound_of(first + r, i);
+                    }
                 }
             }
         });

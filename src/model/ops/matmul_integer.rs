@@ -716,7 +716,7 @@ mod kernels {
 mod kernels {
     use core::arch::wasm32::*;
 
-    use super::super::linalg::touch;
+    use super::super::linalg::{runs, touch};
 
     /// `(a, b)` as one i32: a splat of it is the i16x8 multiplier of a pair of weight rows.
     #[inline(always)]
@@ -804,30 +804,32 @@ mod kernels {
     /// current one is read into the cache at once (`touch`).
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
-        for (b, o) in out.chunks_exact_mut(16).enumerate() {
-            let mut acc = [i32x4_splat(0); 8];
-            // The next block's lines requested all at once while this one is multiplied.
-            touch(w.get(16 * k * (b + 1)..16 * k * (b + 2)).unwrap_or(&[]));
-            // SAFETY: block b is bytes 16 k b..16 k (b + 1) of w, quad q its bytes 64 q..64 q
-            // + 64 (q < k / 4), and a[4q..4q + 4] within a (asserted); loads are unaligned.
-            unsafe {
-                let p = w.as_ptr().add(16 * k * b);
-                for q in 0..k / 4 {
-                    let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
-                    for j in 0..4 {
-                        let (lo, hi) =
-                            widen::<SIGNED>(v128_load(p.add(64 * q + 16 * j) as *const v128));
-                        acc[2 * j] = i32x4_add(acc[2 * j], i32x4_dot_i16x8(lo, x));
-                        acc[2 * j + 1] = i32x4_add(acc[2 * j + 1], i32x4_dot_i16x8(hi, x));
+        for run in runs(out.len() / 16, 16 * k) {
+            touch(&w[16 * k * run.start..16 * k * run.end]);
+            for b in run {
+                let o = &mut out[16 * b..16 * b + 16];
+                let mut acc = [i32x4_splat(0); 8];
+                // SAFETY: block b is bytes 16 k b..16 k (b + 1) of w, quad q its bytes 64 q..64 q
+                // + 64 (q < k / 4), and a[4q..4q + 4] within a (asserted); loads are unaligned.
+                unsafe {
+                    let p = w.as_ptr().add(16 * k * b);
+                    for q in 0..k / 4 {
+                        let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
+                        for j in 0..4 {
+                            let (lo, hi) =
+                                widen::<SIGNED>(v128_load(p.add(64 * q + 16 * j) as *const v128));
+                            acc[2 * j] = i32x4_add(acc[2 * j], i32x4_dot_i16x8(lo, x));
+                            acc[2 * j + 1] = i32x4_add(acc[2 * j + 1], i32x4_dot_i16x8(hi, x));
+                        }
                     }
-                }
-                for j in 0..4 {
-                    let (s0, s1) = (acc[2 * j], acc[2 * j + 1]);
-                    let sums = i32x4_add(
-                        i32x4_shuffle::<0, 2, 4, 6>(s0, s1),
-                        i32x4_shuffle::<1, 3, 5, 7>(s0, s1),
-                    );
-                    v128_store(o.as_mut_ptr().add(4 * j) as *mut v128, sums);
+                    for j in 0..4 {
+                        let (s0, s1) = (acc[2 * j], acc[2 * j + 1]);
+                        let sums = i32x4_add(
+                            i32x4_shuffle::<0, 2, 4, 6>(s0, s1),
+                            i32x4_shuffle::<1, 3, 5, 7>(s0, s1),
+                        );
+                        v128_store(o.as_mut_ptr().add(4 * j) as *mut v128, sums);
+                    }
                 }
             }
         }

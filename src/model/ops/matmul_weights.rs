@@ -21,7 +21,7 @@ use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
     axpy_rows, axpy_rows_f16, dot, dot4, dot4_panel, dot4x2, dot4x2_panel, dot_panel,
-    f16_is_special, f16_to_f32_slice, matvec_f16_nk, touch,
+    f16_is_special, f16_to_f32_slice, matvec_f16_nk, runs, touch,
 };
 use super::{initializer_dims, matmul_output_fact, node_label};
 
@@ -361,14 +361,20 @@ fn matmul_nk(
     if rows == 1 {
         match w {
             W::F32(w) if panels => {
-                for first in cols.clone().step_by(COLS) {
-                    let at = first - cols.start;
-                    if first + COLS <= cols.end {
-                        let panel = &w[first * k..(first + COLS) * k];
-                        block[at..at + COLS].copy_from_slice(&dot_panel(x, panel));
-                    } else {
-                        for j in first..cols.end {
-                            block[j - cols.start] = dot(x, &w[j * k..(j + 1) * k]);
+                // Runs of panels, each read into the cache (`touch`) before its products.
+                for run in runs(cols.len().div_ceil(COLS), COLS * k * 4) {
+                    let start = cols.start + COLS * run.start;
+                    let end = (cols.start + COLS * run.end).min(cols.end);
+                    touch(&w[start * k..end * k]);
+                    for first in (start..end).step_by(COLS) {
+                        let at = first - cols.start;
+                        if first + COLS <= cols.end {
+                            let panel = &w[first * k..(first + COLS) * k];
+                            block[at..at + COLS].copy_from_slice(&dot_panel(x, panel));
+                        } else {
+                            for j in first..cols.end {
+                                block[j - cols.start] = dot(x, &w[j * k..(j + 1) * k]);
+                            }
                         }
                     }
                 }
