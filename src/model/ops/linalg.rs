@@ -792,7 +792,11 @@ mod tests {
             let per = (RUN_BYTES / item_bytes.max(1)).max(1);
             assert!(runs.iter().all(|r| !r.is_empty() && r.len() <= per));
             let items: Vec<usize> = runs.into_iter().flatten().collect();
-            assert_eq!(items, (0..count).collect::<Vec<_>>(), "{count} x {item_bytes}");
+            assert_eq!(
+                items,
+                (0..count).collect::<Vec<_>>(),
+                "{count} x {item_bytes}"
+            );
         }
     }
 

@@ -800,8 +800,8 @@ mod kernels {
     /// 14 simd operations per 32 weights, no sums loaded or stored, where `matvec` takes 20:
     /// in Node, SmolLM2's `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights
     /// streamed from memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time
-    /// was 1268 ms against 1454 (the prompt's widening included). The block after the
-    /// current one is read into the cache at once (`touch`).
+    /// was 1268 ms against 1454 (the prompt's widening included). The blocks are read into
+    /// the cache a run at a time (`runs`, `touch`), each run before its products.
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
         for run in runs(out.len() / 16, 16 * k) {
