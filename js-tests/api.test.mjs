@@ -285,9 +285,12 @@ test("Blob and Response sources are streamed into the engine and load the same m
     { on_progress: (p) => progress.push(p) },
   );
   assert.deepEqual((await m.generate(HELLO, { max_new_tokens: 12 })).token_ids, GOLDEN);
-  const last = progress.filter((p) => p.file === "model").at(-1);
+  const model = progress.filter((p) => p.file === "model");
+  const last = model.at(-1);
   assert.equal(last.loaded, bytes.model.length);
   assert.equal(last.total, bytes.model.length);
+  // The Blob (652 KB) was read in more than one slice.
+  assert.ok(model.some((p) => p.loaded > 0 && p.loaded < p.total), JSON.stringify(model));
   // An empty streamed file is the same error as empty bytes.
   await assert.rejects(Model.load({ ...bytes, model: new Blob([]) }), /model.onnx is empty|is empty/);
   // A body in many small chunks: a byte stream (read into one reused buffer) and a stream that
