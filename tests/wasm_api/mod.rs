@@ -550,9 +550,6 @@ async fn js_logits_processor_bans_a_token_like_suppress_tokens() {
     }
 }
 
-/// The simd128 f16 kernels (`model::ops::linalg`, used by float16 models) against the f32
-/// kernels on the converted weights; row and column tails included. Without relaxed SIMD the
-/// dot products are the portable kernel's sums bit for bit (sixteen sums, added in order).
 /// `search::argmax` (two simd128 passes in wasm) gives the scalar loop's index: the first of
 /// equal maxima (-0 and +0 among them), NaN anywhere (first, last, in a tail), infinities,
 /// all `-inf`, lengths around the passes' chunks of 16.
@@ -614,6 +611,10 @@ fn argmax_is_the_scalar_loop() {
     }
 }
 
+/// The simd128 f16 kernels (`model::ops::linalg`, used by float16 models) against the f32
+/// kernels on the converted weights; row and column tails included, and the rows that
+/// `matvec_f16_nk` reads side by side (`STREAMS`) with rows left over. Without relaxed SIMD
+/// the dot products are the portable kernel's sums bit for bit (sixteen sums, added in order).
 #[wasm_bindgen_test]
 fn f16_kernels_match_the_f32_kernels() {
     use onnx_generate::model::ops::linalg::{axpy_rows, axpy_rows_f16, matvec_f16_nk};
