@@ -686,6 +686,7 @@ fn int8_kernel_is_exact() {
         (8, 80, false),
         (576, 64, false),
         (1536, 32, true),
+        (96, 144, true),
     ] {
         let w: Vec<u8> = (0..k * n)
             .map(|i| match extremes {

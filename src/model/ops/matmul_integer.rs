@@ -716,8 +716,6 @@ mod kernels {
 mod kernels {
     use core::arch::wasm32::*;
 
-    use super::super::linalg::{runs, touch};
-
     /// `(a, b)` as one i32: a splat of it is the i16x8 multiplier of a pair of weight rows.
     #[inline(always)]
     fn pair(a: i16, b: i16) -> i32 {
@@ -800,37 +798,62 @@ mod kernels {
     /// 14 simd operations per 32 weights, no sums loaded or stored, where `matvec` takes 20:
     /// in Node, SmolLM2's `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights
     /// streamed from memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time
-    /// was 1268 ms against 1454 (the prompt's widening included). The blocks are read into
-    /// the cache a run at a time (`runs`, `touch`), each run before its products.
+    /// was 1268 ms against 1454 (the prompt's widening included). [`BLOCK_STREAMS`] blocks a
+    /// quarter of the weight apart are multiplied at once.
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
-        for run in runs(out.len() / 16, 16 * k) {
-            touch(&w[16 * k * run.start..16 * k * run.end]);
-            for b in run {
-                let o = &mut out[16 * b..16 * b + 16];
-                let mut acc = [i32x4_splat(0); 8];
-                // SAFETY: block b is bytes 16 k b..16 k (b + 1) of w, quad q its bytes 64 q..64 q
-                // + 64 (q < k / 4), and a[4q..4q + 4] within a (asserted); loads are unaligned.
-                unsafe {
-                    let p = w.as_ptr().add(16 * k * b);
-                    for q in 0..k / 4 {
-                        let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
-                        for j in 0..4 {
-                            let (lo, hi) =
-                                widen::<SIGNED>(v128_load(p.add(64 * q + 16 * j) as *const v128));
-                            acc[2 * j] = i32x4_add(acc[2 * j], i32x4_dot_i16x8(lo, x));
-                            acc[2 * j + 1] = i32x4_add(acc[2 * j + 1], i32x4_dot_i16x8(hi, x));
-                        }
-                    }
+        let blocks = out.len() / 16;
+        let q = blocks / BLOCK_STREAMS;
+        for b in 0..q {
+            blocks_dot::<SIGNED, BLOCK_STREAMS>(a, w, k, std::array::from_fn(|s| b + s * q), out);
+        }
+        for b in BLOCK_STREAMS * q..blocks {
+            blocks_dot::<SIGNED, 1>(a, w, k, [b], out);
+        }
+    }
+
+    /// Blocks `matvec_blocks` multiplies at once, each from its own part of the weight: four
+    /// sequential reads keep more of memory's lines in flight than one. int8 SmolLM2 in Node:
+    /// 15.6-19.7 ms a token against 18.9-22.6 for one block at a time (each run of blocks read
+    /// into the cache first); two blocks at once were no faster.
+    const BLOCK_STREAMS: usize = 4;
+
+    /// The sixteen sums of each of the blocks `blocks` (one row of `a`) into `out`.
+    #[inline(always)]
+    fn blocks_dot<const SIGNED: bool, const S: usize>(
+        a: &[i16],
+        w: &[u8],
+        k: usize,
+        blocks: [usize; S],
+        out: &mut [i32],
+    ) {
+        let mut acc = [[i32x4_splat(0); 8]; S];
+        let p = blocks.map(|b| w[16 * k * b..16 * k * (b + 1)].as_ptr());
+        // SAFETY: block b is bytes 16 k b..16 k (b + 1) of w, quad q its bytes 64 q..64 q + 64
+        // (q < k / 4), and a[4q..4q + 4] within a (asserted); loads are unaligned.
+        unsafe {
+            for q in 0..k / 4 {
+                let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
+                for (acc, p) in acc.iter_mut().zip(&p) {
                     for j in 0..4 {
-                        let (s0, s1) = (acc[2 * j], acc[2 * j + 1]);
-                        let sums = i32x4_add(
-                            i32x4_shuffle::<0, 2, 4, 6>(s0, s1),
-                            i32x4_shuffle::<1, 3, 5, 7>(s0, s1),
-                        );
-                        v128_store(o.as_mut_ptr().add(4 * j) as *mut v128, sums);
+                        let (lo, hi) =
+                            widen::<SIGNED>(v128_load(p.add(64 * q + 16 * j) as *const v128));
+                        acc[2 * j] = i32x4_add(acc[2 * j], i32x4_dot_i16x8(lo, x));
+                        acc[2 * j + 1] = i32x4_add(acc[2 * j + 1], i32x4_dot_i16x8(hi, x));
                     }
                 }
+            }
+        }
+        for (acc, b) in acc.iter().zip(blocks) {
+            let o = &mut out[16 * b..16 * b + 16];
+            for j in 0..4 {
+                let (s0, s1) = (acc[2 * j], acc[2 * j + 1]);
+                let sums = i32x4_add(
+                    i32x4_shuffle::<0, 2, 4, 6>(s0, s1),
+                    i32x4_shuffle::<1, 3, 5, 7>(s0, s1),
+                );
+                // SAFETY: o holds 16 values.
+                unsafe { v128_store(o.as_mut_ptr().add(4 * j) as *mut v128, sums) };
             }
         }
     }
