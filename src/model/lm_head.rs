@@ -23,7 +23,6 @@ use tract_onnx::prelude::*;
 
 use crate::decoder::Head;
 use crate::error::{backend, Error, Result};
-use crate::model::ops::linalg::{runs, touch};
 use crate::model::ops::matmul_weights::{one_output, product, Layout, Weights};
 use crate::model::ops::parallel;
 
@@ -105,24 +104,30 @@ impl LmHead {
             )
         };
         // Ranges of a multiple of four rows, so that each four lie in one block of the copy.
-        // Each run of fours (`runs`) read into the cache (`touch`) before its products.
+        // With panels, four panels a quarter of the range apart at once (`dot_i8x4_streams`).
         parallel::by_columns(out, 1, n, 4, parts, |cols, piece| {
             let rows_of = |c: usize| {
                 let first = cols.start + 4 * c;
                 rows.rows(first, 4.min(cols.end - first), k)
             };
-            for run in runs(piece.len().div_ceil(4), 4 * k) {
-                run.clone().for_each(|c| touch(rows_of(c)));
-                for c in run {
-                    let first = cols.start + 4 * c;
-                    let end = (4 * c + 4).min(piece.len());
-                    let o = &mut piece[4 * c..end];
-                    let panel = panels(k) && o.len() == 4;
-                    let sums = dot_i8x4(&x.values, rows_of(c), panel);
-                    for (r, (o, i)) in o.iter_mut().zip(sums).enumerate() {
-                        *o = bound_of(first + r, i);
-                    }
+            let len = piece.len();
+            let mut put = |c: usize, sums: [i32; 4]| {
+                let end = (4 * c + 4).min(len);
+                for (r, (o, i)) in piece[4 * c..end].iter_mut().zip(sums).enumerate() {
+                    *o = bound_of(cols.start + 4 * c + r, i);
                 }
+            };
+            let q = if panels(k) { len / 16 } else { 0 };
+            for c in 0..q {
+                let four = [0, 1, 2, 3].map(|s| c + s * q);
+                let sums = dot_i8x4_streams(&x.values, four.map(rows_of));
+                for (c, sums) in four.into_iter().zip(sums) {
+                    put(c, sums);
+                }
+            }
+            for c in 4 * q..len.div_ceil(4) {
+                let panel = panels(k) && 4 * c + 4 <= len;
+                put(c, dot_i8x4(&x.values, rows_of(c), panel));
             }
         });
         self.round_to_type(out);
@@ -413,9 +418,61 @@ fn dot_i8x4(x: &[i16], q: &[i8], panel: bool) -> [i32; 4] {
     }
 }
 
+/// [`dot_i8x4`] of four panels (`x.len()` a multiple of 16) read side by side: four
+/// sequential reads keep more of memory's lines in flight than one. q4 SmolLM2 in Node: 14.9-16.4
+/// ms a token against 15.9-17.7 with one panel at a time (each run of panels read into the
+/// cache first).
+fn dot_i8x4_streams(x: &[i16], panels: [&[i8]; 4]) -> [[i32; 4]; 4] {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        kernels::dot_panels(x, panels)
+    }
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    {
+        panels.map(|q| dot_i8x4(x, q, true))
+    }
+}
+
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 mod kernels {
     use core::arch::wasm32::*;
+
+    /// `dot_i8x4_streams` with simd128: sixteen values of `x` loaded once for the sixteen rows
+    /// of the four panels, each row's sum in one i32x4.
+    pub fn dot_panels(x: &[i16], panels: [&[i8]; 4]) -> [[i32; 4]; 4] {
+        let len = x.len();
+        assert!(
+            len.is_multiple_of(16) && panels.iter().all(|q| q.len() >= 4 * len),
+            "dot_panels: panels of four rows of {len}"
+        );
+        let xp = x.as_ptr();
+        let qp = panels.map(|q| q.as_ptr());
+        let mut acc = [[i32x4_splat(0); 4]; 4];
+        for c in 0..len / 16 {
+            // SAFETY: x[16c..16c+16] and each panel's values 64c..64c+64 lie within the
+            // lengths asserted above; v128_load accepts unaligned addresses.
+            unsafe {
+                let x0 = v128_load(xp.add(16 * c) as *const v128);
+                let x1 = v128_load(xp.add(16 * c + 8) as *const v128);
+                for (acc, qp) in acc.iter_mut().zip(&qp) {
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let w = v128_load(qp.add(16 * (4 * c + r)) as *const v128);
+                        let lo = i32x4_dot_i16x8(x0, i16x8_extend_low_i8x16(w));
+                        let hi = i32x4_dot_i16x8(x1, i16x8_extend_high_i8x16(w));
+                        *acc = i32x4_add(*acc, i32x4_add(lo, hi));
+                    }
+                }
+            }
+        }
+        acc.map(|acc| {
+            acc.map(|a| {
+                i32x4_extract_lane::<0>(a)
+                    + i32x4_extract_lane::<1>(a)
+                    + i32x4_extract_lane::<2>(a)
+                    + i32x4_extract_lane::<3>(a)
+            })
+        })
+    }
 
     /// The portable `max_abs` with simd128 (`f32x4.max` gives NaN for a NaN, so one test at
     /// the end finds a value that is not finite).
