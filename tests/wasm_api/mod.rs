@@ -611,6 +611,56 @@ fn argmax_is_the_scalar_loop() {
     }
 }
 
+/// The simd128 f32 decoding kernel of weights in panels (`model::ops::linalg::dot_panels`,
+/// four panels read side by side) gives each panel's `dot_panel` sums bit for bit, within
+/// rounding of the exact sums; `k` with and without a tail past the last eight values.
+#[wasm_bindgen_test]
+fn dot_panels_are_each_panels_sums() {
+    use onnx_generate::model::ops::linalg::{dot_panel, dot_panels};
+    for k in [4usize, 8, 12, 36, 576] {
+        let x: Vec<f32> = (0..k)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        // Four panels of four rows, each row's values 4i..4i + 4 at 16 (i / 4) + 4 r.
+        let rows: Vec<Vec<f32>> = (0..16)
+            .map(|r| {
+                (0..k)
+                    .map(|i| (((r * 31 + i * 53) % 101) as f32 - 50.0) / 64.0)
+                    .collect()
+            })
+            .collect();
+        let panels: Vec<Vec<f32>> = (0..4)
+            .map(|p| {
+                let mut panel = vec![0f32; 4 * k];
+                for r in 0..4 {
+                    for i in 0..k {
+                        panel[(i / 4) * 16 + r * 4 + i % 4] = rows[4 * p + r][i];
+                    }
+                }
+                panel
+            })
+            .collect();
+        let got = dot_panels(&x, [0, 1, 2, 3].map(|p| &panels[p][..]));
+        for p in 0..4 {
+            let one = dot_panel(&x, &panels[p]);
+            assert_eq!(
+                got[p].map(f32::to_bits),
+                one.map(f32::to_bits),
+                "k={k} panel {p}"
+            );
+            for r in 0..4 {
+                let exact: f64 = (0..k)
+                    .map(|i| x[i] as f64 * rows[4 * p + r][i] as f64)
+                    .sum();
+                assert!(
+                    (got[p][r] as f64 - exact).abs() < 1e-3,
+                    "k={k} panel {p} row {r}"
+                );
+            }
+        }
+    }
+}
+
 /// The simd128 f16 kernels (`model::ops::linalg`, used by float16 models) against the f32
 /// kernels on the converted weights; row and column tails included, and the rows that
 /// `matvec_f16_nk` reads side by side (`STREAMS`) with rows left over. Without relaxed SIMD

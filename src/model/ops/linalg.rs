@@ -157,31 +157,39 @@ pub fn dot4x2_panel(x0: &[f32], x1: &[f32], panel: &[f32]) -> [[f32; 4]; 2] {
 
 /// [`dot`] of `x` with each row of a panel, the same sums (a decoding step).
 pub fn dot_panel(x: &[f32], panel: &[f32]) -> [f32; 4] {
+    let [sums] = dot_panels(x, [panel]);
+    sums
+}
+
+/// [`dot_panel`] of each panel, the panels read side by side.
+pub fn dot_panels<const P: usize>(x: &[f32], panels: [&[f32]; P]) -> [[f32; 4]; P] {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     {
-        kernels::dot_panel(x, panel)
+        kernels::dot_panels(x, panels)
     }
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
     {
         let len = x.len();
-        assert!(
-            len.is_multiple_of(4) && panel.len() >= PANEL * len,
-            "dot_panel: {} values",
-            panel.len()
-        );
-        let at = |r: usize, i: usize| panel[(i / 4) * 16 + r * 4 + i % 4];
-        std::array::from_fn(|r| {
-            let mut acc = [0f32; 8];
-            for c in 0..len / 8 {
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a += x[8 * c + i] * at(r, 8 * c + i);
+        panels.map(|panel| {
+            assert!(
+                len.is_multiple_of(4) && panel.len() >= PANEL * len,
+                "dot_panel: {} values",
+                panel.len()
+            );
+            let at = |r: usize, i: usize| panel[(i / 4) * 16 + r * 4 + i % 4];
+            std::array::from_fn(|r| {
+                let mut acc = [0f32; 8];
+                for c in 0..len / 8 {
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a += x[8 * c + i] * at(r, 8 * c + i);
+                    }
                 }
-            }
-            let mut sum: f32 = acc.iter().sum();
-            for (i, x) in x.iter().enumerate().skip(len / 8 * 8) {
-                sum += x * at(r, i);
-            }
-            sum
+                let mut sum: f32 = acc.iter().sum();
+                for (i, x) in x.iter().enumerate().skip(len / 8 * 8) {
+                    sum += x * at(r, i);
+                }
+                sum
+            })
         })
     }
 }
@@ -480,49 +488,53 @@ mod kernels {
         out
     }
 
-    /// `dot_panel` with simd128: two f32x4 sums per row (the eight lanes of `dot`), the
-    /// panel's four rows in one stream.
-    pub fn dot_panel(x: &[f32], panel: &[f32]) -> [f32; 4] {
+    /// `dot_panels` with simd128: two f32x4 sums per row (the eight lanes of `dot`), each
+    /// panel's four rows in one stream, the panels side by side.
+    pub fn dot_panels<const P: usize>(x: &[f32], panels: [&[f32]; P]) -> [[f32; 4]; P] {
         let len = x.len();
         assert!(
-            len.is_multiple_of(4) && panel.len() >= super::PANEL * len,
-            "dot_panel: {} values",
-            panel.len()
+            len.is_multiple_of(4) && panels.iter().all(|p| p.len() >= super::PANEL * len),
+            "dot_panel: panels of four rows of {len}"
         );
         let pairs = len / 8;
-        let (xp, wp) = (x.as_ptr(), panel.as_ptr());
-        let mut acc = [[f32x4_splat(0.0); 2]; 4];
+        let xp = x.as_ptr();
+        let wp = panels.map(|p| p.as_ptr());
+        let mut acc = [[[f32x4_splat(0.0); 2]; 4]; P];
         for c in 0..pairs {
-            // SAFETY: x[8c..8c+8] and panel[32c..32c+32] are within the asserted lengths;
-            // v128_load accepts unaligned addresses.
+            // SAFETY: x[8c..8c+8] and each panel[32c..32c+32] are within the asserted
+            // lengths; v128_load accepts unaligned addresses.
             unsafe {
                 let x0 = v128_load(xp.add(8 * c) as *const v128);
                 let x1 = v128_load(xp.add(8 * c + 4) as *const v128);
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let w0 = v128_load(wp.add(32 * c + 4 * r) as *const v128);
-                    let w1 = v128_load(wp.add(32 * c + 16 + 4 * r) as *const v128);
-                    acc[0] = madd(x0, w0, acc[0]);
-                    acc[1] = madd(x1, w1, acc[1]);
+                for (acc, wp) in acc.iter_mut().zip(&wp) {
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let w0 = v128_load(wp.add(32 * c + 4 * r) as *const v128);
+                        let w1 = v128_load(wp.add(32 * c + 16 + 4 * r) as *const v128);
+                        acc[0] = madd(x0, w0, acc[0]);
+                        acc[1] = madd(x1, w1, acc[1]);
+                    }
                 }
             }
         }
-        std::array::from_fn(|r| {
-            let [a, b] = acc[r];
-            let lanes = [
-                f32x4_extract_lane::<0>(a),
-                f32x4_extract_lane::<1>(a),
-                f32x4_extract_lane::<2>(a),
-                f32x4_extract_lane::<3>(a),
-                f32x4_extract_lane::<0>(b),
-                f32x4_extract_lane::<1>(b),
-                f32x4_extract_lane::<2>(b),
-                f32x4_extract_lane::<3>(b),
-            ];
-            let mut sum: f32 = lanes.iter().sum();
-            for i in pairs * 8..len {
-                sum += x[i] * panel[(i / 4) * 16 + r * 4 + i % 4];
-            }
-            sum
+        std::array::from_fn(|p| {
+            std::array::from_fn(|r| {
+                let [a, b] = acc[p][r];
+                let lanes = [
+                    f32x4_extract_lane::<0>(a),
+                    f32x4_extract_lane::<1>(a),
+                    f32x4_extract_lane::<2>(a),
+                    f32x4_extract_lane::<3>(a),
+                    f32x4_extract_lane::<0>(b),
+                    f32x4_extract_lane::<1>(b),
+                    f32x4_extract_lane::<2>(b),
+                    f32x4_extract_lane::<3>(b),
+                ];
+                let mut sum: f32 = lanes.iter().sum();
+                for i in pairs * 8..len {
+                    sum += x[i] * panels[p][(i / 4) * 16 + r * 4 + i % 4];
+                }
+                sum
+            })
         })
     }
 
