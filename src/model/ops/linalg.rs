@@ -114,35 +114,18 @@ pub fn panels_from_rows<T: Copy>(src: &[T], k: usize, n: usize, dst: &mut [T]) {
 /// process) took 256 ms for fp32 with the weights read so first against 267 without, 265.5
 /// against 272 for fp16; 224 ms for fp32 with the weights in the cache all along.
 ///
-/// Decoding kernels read their weights in [`runs`] of 32 KB, each touched and then multiplied
-/// (f32 panels, f16 rows, int8 blocks, the `lm_head`'s int8 bounds), and the 4-bit kernel the
-/// next four columns while it multiplies four. In Node (builds with names, alternating runs,
-/// the median ms a token of 64), against one read 2 KB ahead per sixteen weights (f16, int8)
-/// or none: fp16 SmolLM2 decoded in 36-40 ms against 43-45, int8 in 20.2-21.4 against
-/// 22.5-23.9, fp32 in 44.7-46.7 against 49.2-53.6, q4 in 18.7-19.7 against 19.8-21.6 (its
-/// `lm_head` bounds 3.9 ms a step against 4.8). Runs of 64 KB were slower, of 16 KB about the
-/// same; a 4-bit kernel in runs was slower than with the next columns. A standalone wasm
-/// benchmark of the f16 row kernel, 57.6 M weights from memory: 2.4 G weights/s with the read
-/// 2 KB ahead, 3.6 with each next row touched, 3.8 in runs of 64 rows, 8.5 from the cache;
-/// touching alone 6.1-6.6.
+/// Decoding kernels no longer touch their weights. Touching a run of 32 KB and then
+/// multiplying it beat one pass over the weights (fp16 SmolLM2 in Node: 36-40 ms a token
+/// against 43-45), but reading four parts of a weight side by side (f16 rows, f32 panels, int8
+/// blocks, 4-bit columns, the `lm_head` bounds' panels) beats the runs: fp16 28.5-31 ms against
+/// 39.6-41.7, fp32 40.5-41.5 against 45.2-47.5, int8 15.6-19.7 against 18.9-22.6, q4
+/// 15.6-17.0 against 18.1-19.6.
 pub fn touch<T: Copy>(values: &[T]) {
     let step = (64 / std::mem::size_of::<T>()).max(1);
     for v in values.iter().step_by(step) {
         // SAFETY: `v` refers to a value of the slice; the read is only there to be made.
         unsafe { std::ptr::read_volatile(v) };
     }
-}
-
-/// The bytes of weights a decoding kernel reads into the cache ([`touch`]) before it
-/// multiplies them ([`runs`]).
-const RUN_BYTES: usize = 32 << 10;
-
-/// `0..count` in runs of about [`RUN_BYTES`] (at least one item), items of `item_bytes` each.
-pub fn runs(count: usize, item_bytes: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    let per = (RUN_BYTES / item_bytes.max(1)).max(1);
-    (0..count)
-        .step_by(per)
-        .map(move |start| start..(start + per).min(count))
 }
 
 /// [`dot4`] of the four rows of a panel (`4 * x.len()` values in the panel layout).
@@ -813,21 +796,6 @@ mod tests {
             let mut got = vec![0f32; n];
             matvec_f16_nk(&x, &w, &mut got);
             assert_eq!(got, want, "matvec k={k} n={n} big={big}");
-        }
-    }
-
-    #[test]
-    fn runs_cover_every_item_once_in_order() {
-        for (count, item_bytes) in [(0, 8), (1, 1 << 20), (700, 96), (5, 0), (1000, 32 << 10)] {
-            let runs: Vec<_> = runs(count, item_bytes).collect();
-            let per = (RUN_BYTES / item_bytes.max(1)).max(1);
-            assert!(runs.iter().all(|r| !r.is_empty() && r.len() <= per));
-            let items: Vec<usize> = runs.into_iter().flatten().collect();
-            assert_eq!(
-                items,
-                (0..count).collect::<Vec<_>>(),
-                "{count} x {item_bytes}"
-            );
         }
     }
 
