@@ -284,7 +284,8 @@ async function measureAll(env) {
             page.evaluate(([w, n, mb]) => window.benchBandwidth(w, n, mb), [Array.from(bandwidthWasm), t, bwMegabytes]),
           );
     out[t] = { ...r, gbps_start: r.gbps };
-    log(`${env}: memory bandwidth inside wasm, ${t} thread(s): ${r.gbps.toFixed(1)} GB/s (best of 5 passes over ${r.megabytes} MiB)`);
+    const streams = `one stream ${r.gbps_one_stream.toFixed(1)}, four side by side ${r.gbps_four_streams.toFixed(1)}`;
+    log(`${env}: memory bandwidth inside wasm, ${t} thread(s): ${r.gbps.toFixed(1)} GB/s (${streams}; best of 5 passes over ${r.megabytes} MiB)`);
   }
   return out;
 }
