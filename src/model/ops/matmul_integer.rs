@@ -716,6 +716,8 @@ mod kernels {
 mod kernels {
     use core::arch::wasm32::*;
 
+    use super::super::linalg::STREAMS;
+
     /// `(a, b)` as one i32: a splat of it is the i16x8 multiplier of a pair of weight rows.
     #[inline(always)]
     fn pair(a: i16, b: i16) -> i32 {
@@ -798,25 +800,21 @@ mod kernels {
     /// 14 simd operations per 32 weights, no sums loaded or stored, where `matvec` takes 20:
     /// in Node, SmolLM2's `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights
     /// streamed from memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time
-    /// was 1268 ms against 1454 (the prompt's widening included). [`BLOCK_STREAMS`] blocks a
-    /// quarter of the weight apart are multiplied at once.
+    /// was 1268 ms against 1454 (the prompt's widening included). `STREAMS` blocks a quarter
+    /// of the weight apart are multiplied at once: int8 SmolLM2 in Node 15.6-19.7 ms a token
+    /// against 18.9-22.6 for one block at a time (each run of blocks read into the cache
+    /// first); two blocks at once were no faster.
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
         let blocks = out.len() / 16;
-        let q = blocks / BLOCK_STREAMS;
+        let q = blocks / STREAMS;
         for b in 0..q {
-            blocks_dot::<SIGNED, BLOCK_STREAMS>(a, w, k, std::array::from_fn(|s| b + s * q), out);
+            blocks_dot::<SIGNED, STREAMS>(a, w, k, std::array::from_fn(|s| b + s * q), out);
         }
-        for b in BLOCK_STREAMS * q..blocks {
+        for b in STREAMS * q..blocks {
             blocks_dot::<SIGNED, 1>(a, w, k, [b], out);
         }
     }
-
-    /// Blocks `matvec_blocks` multiplies at once, each from its own part of the weight: four
-    /// sequential reads keep more of memory's lines in flight than one. int8 SmolLM2 in Node:
-    /// 15.6-19.7 ms a token against 18.9-22.6 for one block at a time (each run of blocks read
-    /// into the cache first); two blocks at once were no faster.
-    const BLOCK_STREAMS: usize = 4;
 
     /// The sixteen sums of each of the blocks `blocks` (one row of `a`) into `out`.
     #[inline(always)]

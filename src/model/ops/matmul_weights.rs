@@ -21,7 +21,7 @@ use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
     axpy_rows, axpy_rows_f16, dot, dot4, dot4_panel, dot4x2, dot4x2_panel, dot_panel, dot_panels,
-    f16_is_special, f16_to_f32_slice, matvec_f16_nk, touch,
+    f16_is_special, f16_to_f32_slice, matvec_f16_nk, touch, STREAMS,
 };
 use super::{initializer_dims, matmul_output_fact, node_label};
 
@@ -323,12 +323,6 @@ impl W<'_> {
 /// multiples of it.
 const COLS: usize = 4;
 
-/// Panels of f32 weights the decoding kernel multiplies at once, each from its own part of the
-/// columns: four sequential reads keep more of memory's lines in flight than one. fp32 SmolLM2
-/// in Node: 40.5-41.5 ms a token, 42.4-45.2 with two, 45.2-47.5 one panel at a time (each run
-/// of panels read into the cache first).
-const PANEL_STREAMS: usize = 4;
-
 /// `out[r, j] = sum_k x[r, k] * w[.., ..]` (`w` in `layout`), the columns split in `parts`
 /// ranges that run in parallel (`parallel::by_columns`); the same values for any `parts`.
 #[allow(clippy::too_many_arguments)]
@@ -367,21 +361,23 @@ fn matmul_nk(
     if rows == 1 {
         match w {
             W::F32(w) if panels => {
-                // `PANEL_STREAMS` panels a quarter of the columns apart at once.
+                // `STREAMS` panels a quarter of the columns apart at once. fp32 SmolLM2 in
+                // Node: 40.5-41.5 ms a token, 42.4-45.2 with two, 45.2-47.5 one panel at a time
+                // (each run of panels read into the cache first).
                 let whole = cols.len() / COLS;
-                let q = whole / PANEL_STREAMS;
+                let q = whole / STREAMS;
                 let panel = |p: usize| {
                     let first = cols.start + COLS * p;
                     &w[first * k..(first + COLS) * k]
                 };
                 for p in 0..q {
-                    let ps: [usize; PANEL_STREAMS] = std::array::from_fn(|s| p + s * q);
+                    let ps: [usize; STREAMS] = std::array::from_fn(|s| p + s * q);
                     let sums = dot_panels(x, ps.map(panel));
                     for (p, sums) in ps.into_iter().zip(sums) {
                         block[COLS * p..COLS * p + COLS].copy_from_slice(&sums);
                     }
                 }
-                for p in PANEL_STREAMS * q..whole {
+                for p in STREAMS * q..whole {
                     block[COLS * p..COLS * p + COLS].copy_from_slice(&dot_panel(x, panel(p)));
                 }
                 for j in cols.start + COLS * whole..cols.end {
