@@ -827,8 +827,9 @@ mod kernels {
     ) {
         let mut acc = [[i32x4_splat(0); 8]; S];
         let p = blocks.map(|b| w[16 * k * b..16 * k * (b + 1)].as_ptr());
-        // SAFETY: block b is bytes 16 k b..16 k (b + 1) of w, quad q its bytes 64 q..64 q + 64
-        // (q < k / 4), and a[4q..4q + 4] within a (asserted); loads are unaligned.
+        // SAFETY: block b is bytes 16 k b..16 k (b + 1) of w (sliced above), quad q its bytes
+        // 64 q..64 q + 64 (q < k / 4), and a[4q..4q + 4] within a (`matvec_blocks` asserts
+        // a.len() == k); loads are unaligned.
         unsafe {
             for q in 0..k / 4 {
                 let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
