@@ -20,7 +20,7 @@ use crate::model::ops::parallel::{self, Step};
 use crate::model::session::Session;
 use crate::model::signature::{Dtype, Signature, ONNX_INT32};
 use crate::model::tract_decoder::{
-    int_tensor, last_logits, optimize, output_names, parse_graph_owned, shared_initializers,
+    int_tensor, last_logits, optimize, output_names, shared_initializers, GraphTemplate,
 };
 
 /// What a request gives the encoder.
@@ -98,10 +98,10 @@ struct EncoderPlan {
 #[derive(Debug)]
 pub struct Seq2Seq {
     pub signature: Arc<Signature>,
-    encoder: InferenceModel,
+    encoder: GraphTemplate,
     encoder_features: bool,
-    first: InferenceModel,
-    with_past: InferenceModel,
+    first: GraphTemplate,
+    with_past: GraphTemplate,
     plans: Mutex<HashMap<(usize, u8), Arc<Plan>>>,
     encoder_plans: Mutex<HashMap<usize, Arc<EncoderPlan>>>,
     vocab: usize,
@@ -138,7 +138,7 @@ impl Seq2Seq {
             apart,
         } = graphs.encoder;
         let encoder_tensors = shared_initializers(&mut encoder, apart)?;
-        let encoder = parse_graph_owned(encoder, &sig, &encoder_tensors)?;
+        let encoder = GraphTemplate::new(encoder, &encoder_tensors)?;
         drop(encoder_tensors);
         let Decoded {
             proto: mut decoder,
@@ -148,8 +148,8 @@ impl Seq2Seq {
         let shared = shared_initializers(&mut decoder, apart)?;
         let (first, with_past) = match graphs.first_decoder {
             Some(first) => (
-                parse_graph_owned(first, &sig, &none)?,
-                parse_graph_owned(decoder, &sig, &shared)?,
+                GraphTemplate::new(first, &none)?,
+                GraphTemplate::new(decoder, &shared)?,
             ),
             None => {
                 if !sig.has_use_cache_branch {
@@ -165,8 +165,8 @@ impl Seq2Seq {
                 let mut cache = decoder;
                 specialize_bool_input(&mut cache, "use_cache_branch", true)?;
                 (
-                    parse_graph_owned(no_cache, &sig, &shared)?,
-                    parse_graph_owned(cache, &sig, &shared)?,
+                    GraphTemplate::new(no_cache, &shared)?,
+                    GraphTemplate::new(cache, &shared)?,
                 )
             }
         };
@@ -334,7 +334,7 @@ impl Seq2Seq {
         if let Some(p) = plans.get(&batch) {
             return Ok(p.clone());
         }
-        let mut model = self.encoder.clone();
+        let mut model = self.encoder.parse(&self.signature)?;
         let len = TDim::from(model.symbols.sym("encoder_sequence"));
         let inputs = model.input_outlets().map_err(backend)?.to_vec();
         let mut mask = None;
@@ -396,7 +396,11 @@ impl Seq2Seq {
             return Ok(p.clone());
         }
         let template = if first { &self.first } else { &self.with_past };
-        let plan = Arc::new(compile(template.clone(), &self.signature, batch)?);
+        let plan = Arc::new(compile(
+            template.parse(&self.signature)?,
+            &self.signature,
+            batch,
+        )?);
         plans.insert((batch, first as u8), plan.clone());
         Ok(plan)
     }

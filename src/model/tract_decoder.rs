@@ -62,11 +62,11 @@ pub struct TractDecoder(Arc<Inner>);
 #[derive(Debug)]
 struct Inner {
     sig: Arc<Signature>,
-    /// The analysed graph of every step (a merged decoder's cache branch), with symbolic
-    /// sequence and past lengths; its weights are shared with the plans compiled from it.
-    template: InferenceModel,
+    /// The graph of every step (a merged decoder's cache branch); its weights are shared with
+    /// the plans compiled from it.
+    template: GraphTemplate,
     /// A merged decoder in `grow` mode: the no-cache branch, for the first step (past of 0).
-    first_template: Option<InferenceModel>,
+    first_template: Option<GraphTemplate>,
     /// Compiled plans by `(batch size, first step)`. The batch size is fixed in a plan
     /// because these graphs multiply it with the (symbolic) mask length, which tract cannot
     /// keep symbolic; sequence and past lengths stay symbolic.
@@ -131,21 +131,23 @@ impl TractDecoder {
             let mut with_cache = proto;
             specialize_bool_input(&mut with_cache, "use_cache_branch", true)?;
             rewrite_for_tract(&mut with_cache, &sig);
-            let template = parse_graph_owned(with_cache, &sig, &apart)?;
+            let template = GraphTemplate::new(with_cache, &apart)?;
             let first = match no_cache {
                 Some(mut no_cache) => {
                     specialize_bool_input(&mut no_cache, "use_cache_branch", false)?;
                     rewrite_for_tract(&mut no_cache, &sig);
-                    Some(parse_graph_owned(no_cache, &sig, &apart)?)
+                    let first = GraphTemplate::new(no_cache, &apart)?;
+                    // Parsed once now (its plan is compiled at the first request), so that a
+                    // graph tract cannot read fails at load time.
+                    first.parse(&sig)?;
+                    Some(first)
                 }
                 None => None,
             };
             (template, first)
         } else {
             rewrite_for_tract(&mut proto, &sig);
-            // Freed before the plan is compiled.
-            let template = parse_graph_owned(proto, &sig, &apart)?;
-            (template, None)
+            (GraphTemplate::new(proto, &apart)?, None)
         };
         let decoder = TractDecoder(Arc::new(Inner {
             sig,
@@ -240,7 +242,8 @@ impl Inner {
                 Some(self.head.get_or_init(|| h).clone())
             }
         };
-        let plan = Arc::new(compile(template.clone(), &self.sig, batch, width, head_of)?);
+        let model = template.parse(&self.sig)?;
+        let plan = Arc::new(compile(model, &self.sig, batch, width, head_of)?);
         plans.insert((batch, first), plan.clone());
         Ok(plan)
     }
@@ -323,16 +326,10 @@ fn logits_of_last_positions(proto: &mut pb::ModelProto, logits: &str) {
     });
 }
 
-/// Read the graph into tract (the caller declares its inputs: symbolic sequence and past
-/// lengths).
-pub(crate) fn parse_graph(proto: &pb::ModelProto, sig: &Signature) -> Result<InferenceModel> {
-    parse_graph_with(proto, sig, Vec::new())
-}
-
 /// The tensors of the large initializers, taken out of the protobuf, which keeps their name,
 /// type and shape: those whose data was kept apart become tensors in place
 /// (`onnx::into_typed`), the others are converted one at a time, each one's bytes freed
-/// before the next. Graphs parsed from clones of the protobuf with these (`parse_graph_owned`)
+/// before the next. The templates made from clones of the protobuf with these ([`GraphTemplate`])
 /// share them: the branches of a merged decoder hold the weights once. The data of a type
 /// that is not a number (a boolean mask) goes back into the protobuf, for tract to read.
 pub(crate) fn shared_initializers(
@@ -373,17 +370,45 @@ fn load_initializer(t: &pb::TensorProto) -> Result<Arc<Tensor>> {
         .map_err(|e| Error::Model(format!("initializer `{}`: {e}", t.name)))
 }
 
-/// [`parse_graph`] of a graph the caller hands over: its large initializers become tract
-/// tensors one at a time, each initializer's bytes freed before the next is converted (tract's
-/// parser converts every initializer while the protobuf still holds them all, which holds the
-/// weights twice); those in `apart` (their data kept apart, no copy) are taken from there.
-pub(crate) fn parse_graph_owned(
-    mut proto: pb::ModelProto,
-    sig: &Signature,
+/// A graph that plans are compiled from, parsed again for each plan: its protobuf without the
+/// large initializers, encoded, and those initializers as tensors (shared with the plans and
+/// with the other branch of a merged decoder). Kept parsed, fp32 SmolLM2's graph held 9.1 MB
+/// of wasm memory for as long as the model was loaded (4,335 nodes of 1,112 bytes in a vector
+/// with room for 8,192), and a second copy while a plan was compiled.
+#[derive(Debug, Clone)]
+pub(crate) struct GraphTemplate {
+    encoded: Vec<u8>,
+    large: Vec<(super::ops::InitializerInfo, Arc<Tensor>)>,
+}
+
+impl GraphTemplate {
+    pub(crate) fn new(
+        mut proto: pb::ModelProto,
+        apart: &HashMap<String, Arc<Tensor>>,
+    ) -> Result<GraphTemplate> {
+        let large = take_large_initializers(&mut proto, apart)?;
+        let encoded = prost::Message::encode_to_vec(&proto);
+        Ok(GraphTemplate { encoded, large })
+    }
+
+    /// The graph read into tract.
+    pub(crate) fn parse(&self, sig: &Signature) -> Result<InferenceModel> {
+        let proto = <pb::ModelProto as prost::Message>::decode(&self.encoded[..])
+            .map_err(|e| Error::Backend(format!("the kept graph cannot be decoded: {e}")))?;
+        parse_graph_with(&proto, sig, self.large.clone())
+    }
+}
+
+/// The large initializers of a graph, taken out of its protobuf as tract tensors: converted one
+/// at a time, each initializer's bytes freed before the next is converted (tract's parser
+/// converts every initializer while the protobuf still holds them all, which holds the weights
+/// twice); those in `apart` (their data kept apart, no copy) are taken from there.
+fn take_large_initializers(
+    proto: &mut pb::ModelProto,
     apart: &HashMap<String, Arc<Tensor>>,
-) -> Result<InferenceModel> {
+) -> Result<Vec<(super::ops::InitializerInfo, Arc<Tensor>)>> {
     let Some(graph) = proto.graph.as_mut() else {
-        return parse_graph(&proto, sig);
+        return Ok(Vec::new());
     };
     let (large, small): (Vec<_>, Vec<_>) = std::mem::take(&mut graph.initializer)
         .into_iter()
@@ -401,7 +426,7 @@ pub(crate) fn parse_graph_owned(
         drop(t);
         tensors.push((info, tensor));
     }
-    parse_graph_with(&proto, sig, tensors)
+    Ok(tensors)
 }
 
 /// Parse with `apart` (large initializers taken out of the protobuf, as tensors): tract sees
@@ -1208,7 +1233,8 @@ mod tests {
             assert!(cut.0.plan(1, false).unwrap().head.is_some(), "{name}");
             let mut plans = HashMap::new();
             for rows in [1, 2] {
-                let uncut = compile(cut.0.template.clone(), &sig, rows, None, |_, _, _| None);
+                let model = cut.0.template.parse(&sig).unwrap();
+                let uncut = compile(model, &sig, rows, None, |_, _, _| None);
                 plans.insert((rows, false), Arc::new(uncut.unwrap()));
             }
             let whole = TractDecoder(Arc::new(Inner {
