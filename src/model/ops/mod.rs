@@ -137,7 +137,7 @@ pub(crate) fn has_output(node: &NodeProto, index: usize) -> bool {
 }
 
 /// Initializers of at least this many bytes are handed to tract apart from the protobuf
-/// (`tract_decoder::parse_graph_owned`).
+/// (`tract_decoder::GraphTemplate`).
 pub(crate) const LARGE_INITIALIZER: usize = 1 << 16;
 
 /// What our op parsers read of an initializer: its type and shape.
