@@ -23,6 +23,7 @@ use tract_onnx::prelude::*;
 
 use crate::decoder::Head;
 use crate::error::{backend, Error, Result};
+use crate::model::ops::linalg::side_by_side;
 use crate::model::ops::matmul_weights::{one_output, product, Layout, Weights};
 use crate::model::ops::parallel;
 
@@ -117,15 +118,15 @@ impl LmHead {
                     *o = bound_of(cols.start + 4 * c + r, i);
                 }
             };
-            let q = if panels(k) { len / 16 } else { 0 };
-            for c in 0..q {
-                let four = [0, 1, 2, 3].map(|s| c + s * q);
+            // Whole panels four at a time; then the rest, a last partial four included.
+            let (groups, rest) = side_by_side::<4>(if panels(k) { len / 4 } else { 0 });
+            for four in groups {
                 let sums = dot_i8x4_streams(&x.values, four.map(rows_of));
                 for (c, sums) in four.into_iter().zip(sums) {
                     put(c, sums);
                 }
             }
-            for c in 4 * q..len.div_ceil(4) {
+            for c in rest.start..len.div_ceil(4) {
                 let panel = panels(k) && 4 * c + 4 <= len;
                 put(c, dot_i8x4(&x.values, rows_of(c), panel));
             }

@@ -287,6 +287,16 @@ fn scaled_input(x: &[f32]) -> Option<Vec<f32>> {
 /// of what four do.
 pub(crate) const STREAMS: usize = 4;
 
+/// `0..count` for a kernel that reads `N` parts side by side: the groups `[i, i + q, ..,
+/// i + (N - 1) q]` (`q = count / N`, `i < q`), then the indices left over, `N q..count`.
+pub(crate) fn side_by_side<const N: usize>(
+    count: usize,
+) -> (impl Iterator<Item = [usize; N]>, std::ops::Range<usize>) {
+    let q = count / N;
+    let groups = (0..q).map(move |i| std::array::from_fn(|s| i + s * q));
+    (groups, N * q..count)
+}
+
 /// `out[j] = sum_k x[k] * w[j, k]` with f16 weights `[out.len(), x.len()]`: one dot product
 /// per output, those of rows `j`, `j + q`, `j + 2q`, ... (`q` = a [`STREAMS`]th of the rows) at
 /// once.
@@ -300,16 +310,15 @@ pub fn matvec_f16_nk(x: &[f32], w: &[u16], out: &mut [f32]) {
                 .checked_div(k)
                 .map_or(out.len(), |r| r.min(out.len()));
             let row = |j: usize| &w[j * k..(j + 1) * k];
-            let q = rows / STREAMS;
-            for j in 0..q {
-                let sums: [f32; STREAMS] =
-                    kernels::dot_f16_scaled(&xs, std::array::from_fn(|s| row(j + s * q)));
-                for (s, sum) in sums.into_iter().enumerate() {
-                    out[j + s * q] = sum;
+            let (groups, rest) = side_by_side::<STREAMS>(rows);
+            for js in groups {
+                let sums = kernels::dot_f16_scaled(&xs, js.map(row));
+                for (j, sum) in js.into_iter().zip(sums) {
+                    out[j] = sum;
                 }
             }
-            for (j, o) in out.iter_mut().enumerate().take(rows).skip(STREAMS * q) {
-                [*o] = kernels::dot_f16_scaled(&xs, [row(j)]);
+            for j in rest {
+                [out[j]] = kernels::dot_f16_scaled(&xs, [row(j)]);
             }
         }
         None => {

@@ -716,7 +716,7 @@ mod kernels {
 mod kernels {
     use core::arch::wasm32::*;
 
-    use super::super::linalg::STREAMS;
+    use super::super::linalg::{side_by_side, STREAMS};
 
     /// `(a, b)` as one i32: a splat of it is the i16x8 multiplier of a pair of weight rows.
     #[inline(always)]
@@ -806,12 +806,11 @@ mod kernels {
     /// first); two blocks at once were no faster.
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
-        let blocks = out.len() / 16;
-        let q = blocks / STREAMS;
-        for b in 0..q {
-            blocks_dot::<SIGNED, STREAMS>(a, w, k, std::array::from_fn(|s| b + s * q), out);
+        let (groups, rest) = side_by_side::<STREAMS>(out.len() / 16);
+        for bs in groups {
+            blocks_dot::<SIGNED, STREAMS>(a, w, k, bs, out);
         }
-        for b in STREAMS * q..blocks {
+        for b in rest {
             blocks_dot::<SIGNED, 1>(a, w, k, [b], out);
         }
     }

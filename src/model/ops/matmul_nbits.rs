@@ -18,7 +18,7 @@ use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::NodeProto;
 use tract_onnx::tract_hir::internal::*;
 
-use super::linalg::{dot, dot4, dot4x2};
+use super::linalg::{dot, dot4, dot4x2, side_by_side};
 use super::{initializer_dims, input_slot, matmul_output_fact, node_label};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -422,9 +422,9 @@ impl Params<'_> {
         if rows == 1 {
             // Four columns a quarter of the range apart at once: four sequential reads keep
             // more of memory's lines in flight than one.
-            let q = width / 4;
-            for i in 0..q {
-                let four = [0, 1, 2, 3].map(|s| cols.start + i + s * q);
+            let (groups, rest) = side_by_side::<4>(width);
+            for four in groups {
+                let four = four.map(|i| cols.start + i);
                 match self.columns4_dot(four, b) {
                     Some(sums) => {
                         for (c, sum) in four.into_iter().zip(sums) {
@@ -438,8 +438,8 @@ impl Params<'_> {
                     }
                 }
             }
-            for c in cols.start + 4 * q..cols.end {
-                block[c - cols.start] = self.column_dot(c, b, ap);
+            for i in rest {
+                block[i] = self.column_dot(cols.start + i, b, ap);
             }
             return;
         }
