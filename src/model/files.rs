@@ -40,6 +40,9 @@ pub struct ModelFiles {
     pub embed_tokens: Option<Vec<u8>>,
     pub embed_tokens_external_data: Option<Vec<u8>>,
     pub vision_encoder: Option<Vec<u8>>,
+    /// The vision encoder, already decoded (as `model_proto`): used instead of
+    /// `vision_encoder`.
+    pub vision_encoder_proto: Option<super::onnx::Decoded>,
     pub vision_encoder_external_data: Option<Vec<u8>>,
 }
 

@@ -44,6 +44,7 @@ struct Owned {
     graph: Graph,
     external: Option<Vec<u8>>,
     encoder: Option<Decoded>,
+    vision_encoder: Option<Graph>,
 }
 
 /// The compiled graphs of a model.
@@ -92,12 +93,17 @@ impl Model {
         };
         let external = files.external_data.take();
         let encoder = files.encoder_proto.take();
+        let vision_encoder = match files.vision_encoder_proto.take() {
+            Some(decoded) => Some(Graph::Decoded(Box::new(decoded))),
+            None => files.vision_encoder.take().map(Graph::Bytes),
+        };
         Self::load_from(
             &files,
             Some(Owned {
                 graph,
                 external,
                 encoder,
+                vision_encoder,
             }),
         )
     }
@@ -117,13 +123,14 @@ impl Model {
             proto,
             apart: Apart::new(),
         };
-        let (owned, encoder_decoded) = match owned {
+        let (owned, encoder_decoded, vision_graph) = match owned {
             Some(Owned {
                 graph,
                 external,
                 encoder,
-            }) => (Some((graph, external)), encoder),
-            None => (None, files.encoder_proto.clone()),
+                vision_encoder,
+            }) => (Some((graph, external)), encoder, vision_encoder),
+            None => (None, files.encoder_proto.clone(), None),
         };
         let decoded = match owned {
             // Dropped at the end of this arm, before tract reads the graph.
@@ -226,17 +233,34 @@ impl Model {
             }
             _ => None,
         };
-        let vision_encoder = match (&files.vision_encoder, &vision) {
-            (Some(bytes), Some(_)) => {
+        const VISION_ENCODER: &str = "vision_encoder.onnx";
+        let vision_encoder = match &vision {
+            Some(_) => {
                 let data = files.vision_encoder_external_data.as_deref();
-                let proto = onnx::decode(bytes, data, "vision_encoder.onnx")?;
-                Some(VisionEncoder::new(
-                    &proto,
-                    &config,
-                    preprocessor_config.as_ref(),
-                )?)
+                // Taken out of the files (`load_owned`), or read from them.
+                let decoded = match vision_graph {
+                    Some(Graph::Decoded(decoded)) => {
+                        Some(onnx::prepare(*decoded, data, VISION_ENCODER)?)
+                    }
+                    // The bytes are dropped here, before the weights become tensors.
+                    Some(Graph::Bytes(bytes)) => {
+                        Some(inline(onnx::decode(&bytes, data, VISION_ENCODER)?))
+                    }
+                    None => match (&files.vision_encoder_proto, &files.vision_encoder) {
+                        (Some(decoded), _) => {
+                            Some(onnx::prepare(decoded.clone(), data, VISION_ENCODER)?)
+                        }
+                        (None, Some(bytes)) => {
+                            Some(inline(onnx::decode(bytes, data, VISION_ENCODER)?))
+                        }
+                        (None, None) => None,
+                    },
+                };
+                decoded
+                    .map(|d| VisionEncoder::new(d, &config, preprocessor_config.as_ref()))
+                    .transpose()?
             }
-            _ => None,
+            None => None,
         };
         if let (Engine::Seq2Seq(s), Some(pre)) = (&engine, &preprocessor_config) {
             check_features_fit(s, pre)?;

@@ -334,7 +334,7 @@ impl Seq2Seq {
         if let Some(p) = plans.get(&batch) {
             return Ok(p.clone());
         }
-        let mut model = self.encoder.parse(&self.signature)?;
+        let mut model = self.encoder.parse()?;
         let len = TDim::from(model.symbols.sym("encoder_sequence"));
         let inputs = model.input_outlets().map_err(backend)?.to_vec();
         let mut mask = None;
@@ -396,11 +396,7 @@ impl Seq2Seq {
             return Ok(p.clone());
         }
         let template = if first { &self.first } else { &self.with_past };
-        let plan = Arc::new(compile(
-            template.parse(&self.signature)?,
-            &self.signature,
-            batch,
-        )?);
+        let plan = Arc::new(compile(template.parse()?, &self.signature, batch)?);
         plans.insert((batch, first as u8), plan.clone());
         Ok(plan)
     }

@@ -89,8 +89,6 @@ pub struct Signature {
     pub kv_dtype: Dtype,
     pub logits_name: String,
     pub cache_mode: CacheMode,
-    /// `(domain, op_type)` of every node, for error messages and custom op checks.
-    pub ops: BTreeSet<(String, String)>,
 }
 
 impl Signature {
@@ -223,7 +221,6 @@ impl Signature {
             kv_dtype,
             logits_name,
             cache_mode,
-            ops,
             inputs,
             outputs,
         })
@@ -259,6 +256,17 @@ fn decl(v: &pb::ValueInfoProto) -> TensorDecl {
         elem_type,
         dims,
     }
+}
+
+/// `domain.op_type` of the graph's nodes (subgraphs included) outside the standard ONNX domain,
+/// for error messages.
+pub(crate) fn non_standard_ops(graph: &pb::GraphProto) -> Vec<String> {
+    let mut ops = BTreeSet::new();
+    collect_ops(graph, &mut ops);
+    ops.into_iter()
+        .filter(|(domain, _)| !domain.is_empty() && domain != "ai.onnx")
+        .map(|(domain, op)| format!("{domain}.{op}"))
+        .collect()
 }
 
 fn collect_ops(graph: &pb::GraphProto, ops: &mut BTreeSet<(String, String)>) {

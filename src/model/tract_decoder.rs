@@ -17,7 +17,9 @@ use crate::model::ops::matmul_runtime::past_where_it_lies;
 use crate::model::ops::matmul_weights::{Weights, WeightsOp};
 use crate::model::ops::parallel::{self, Step};
 use crate::model::session::Session;
-use crate::model::signature::{CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32};
+use crate::model::signature::{
+    non_standard_ops, CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32,
+};
 use crate::vision::RowInputs;
 
 /// What the engine binds to each input of the plan, in the plan's order.
@@ -139,7 +141,7 @@ impl TractDecoder {
                     let first = GraphTemplate::new(no_cache, &apart)?;
                     // Parsed once now (its plan is compiled at the first request), so that a
                     // graph tract cannot read fails at load time.
-                    first.parse(&sig)?;
+                    first.parse()?;
                     Some(first)
                 }
                 None => None,
@@ -242,8 +244,7 @@ impl Inner {
                 Some(self.head.get_or_init(|| h).clone())
             }
         };
-        let model = template.parse(&self.sig)?;
-        let plan = Arc::new(compile(model, &self.sig, batch, width, head_of)?);
+        let plan = Arc::new(compile(template, &self.sig, batch, width, head_of)?);
         plans.insert((batch, first), plan.clone());
         Ok(plan)
     }
@@ -380,6 +381,8 @@ fn load_initializer(t: &pb::TensorProto) -> Result<Arc<Tensor>> {
 pub(crate) struct GraphTemplate {
     encoded: Vec<u8>,
     large: Vec<(super::ops::InitializerInfo, Arc<Tensor>)>,
+    /// The graph's ops outside the standard domain, named when tract cannot read it.
+    non_standard: Vec<String>,
 }
 
 impl GraphTemplate {
@@ -389,15 +392,20 @@ impl GraphTemplate {
     ) -> Result<GraphTemplate> {
         let large = take_large_initializers(&mut proto, apart)?;
         let encoded = prost::Message::encode_to_vec(&proto);
-        Ok(GraphTemplate { encoded, large })
+        let non_standard = proto.graph.as_ref().map_or_else(Vec::new, non_standard_ops);
+        Ok(GraphTemplate {
+            encoded,
+            large,
+            non_standard,
+        })
     }
 
     /// The graph read into tract (the caller declares its inputs: symbolic sequence and past
-    /// lengths).
-    pub(crate) fn parse(&self, sig: &Signature) -> Result<InferenceModel> {
+    /// lengths, an image's shape).
+    pub(crate) fn parse(&self) -> Result<InferenceModel> {
         let proto = <pb::ModelProto as prost::Message>::decode(&self.encoded[..])
             .map_err(|e| Error::Backend(format!("the kept graph cannot be decoded: {e}")))?;
-        parse_graph_with(&proto, sig, self.large.clone())
+        parse_graph_with(&proto, &self.non_standard, self.large.clone())
     }
 }
 
@@ -436,7 +444,7 @@ fn take_large_initializers(
 /// `ops::initializer`, and each becomes a constant again after the parse.
 fn parse_graph_with(
     proto: &pb::ModelProto,
-    sig: &Signature,
+    non_standard: &[String],
     apart: Vec<(super::ops::InitializerInfo, Arc<Tensor>)>,
 ) -> Result<InferenceModel> {
     let onnx = super::ops::onnx()
@@ -447,7 +455,7 @@ fn parse_graph_with(
     let cannot_read = |e: TractError| {
         Error::Model(format!(
             "tract cannot read the graph: {}",
-            unsupported_hint(&e, sig)
+            unsupported_hint(&e, non_standard)
         ))
     };
     let tract_onnx::model::ParseResult {
@@ -474,14 +482,16 @@ fn parse_graph_with(
     Ok(model)
 }
 
-/// `embed_width`: the width of `inputs_embeds`, for a decoder that reads them.
+/// The plan of `template` for `batch` rows; `embed_width`: the width of `inputs_embeds`, for a
+/// decoder that reads them.
 fn compile(
-    mut model: InferenceModel,
+    template: &GraphTemplate,
     sig: &Signature,
     batch: usize,
     embed_width: Option<usize>,
     head_of: impl FnOnce(Weights, Arc<Tensor>, DatumType) -> Option<Arc<LmHead>>,
 ) -> Result<Plan> {
+    let mut model = template.parse()?;
     let b = TDim::from(batch);
     let s = TDim::from(model.symbols.sym("sequence"));
     let p = TDim::from(model.symbols.sym("past"));
@@ -583,7 +593,7 @@ fn compile(
     let mut typed = optimize(model).map_err(|e| {
         Error::Model(format!(
             "tract cannot compile the graph: {}",
-            unsupported_hint(&e, sig)
+            unsupported_hint(&e, &template.non_standard)
         ))
     })?;
     // `append` hands its buffers to the graph as the past; the other modes keep the
@@ -682,19 +692,13 @@ pub(crate) fn output_names(model: &InferenceModel) -> Result<Vec<String>> {
 }
 
 /// A tract error, with the list of non-standard ops when the graph has any.
-fn unsupported_hint(e: &TractError, sig: &Signature) -> String {
-    let custom: Vec<String> = sig
-        .ops
-        .iter()
-        .filter(|(domain, _)| !domain.is_empty() && domain != "ai.onnx")
-        .map(|(d, op)| format!("{d}.{op}"))
-        .collect();
-    if custom.is_empty() {
+fn unsupported_hint(e: &TractError, non_standard: &[String]) -> String {
+    if non_standard.is_empty() {
         format!("{e:?}")
     } else {
         format!(
             "{e:?} (the graph uses non-standard ops: {})",
-            custom.join(", ")
+            non_standard.join(", ")
         )
     }
 }
@@ -1235,8 +1239,7 @@ mod tests {
             assert!(cut.0.plan(1, false).unwrap().head.is_some(), "{name}");
             let mut plans = HashMap::new();
             for rows in [1, 2] {
-                let model = cut.0.template.parse(&sig).unwrap();
-                let uncut = compile(model, &sig, rows, None, |_, _, _| None);
+                let uncut = compile(&cut.0.template, &sig, rows, None, |_, _, _| None);
                 plans.insert((rows, false), Arc::new(uncut.unwrap()));
             }
             let whole = TractDecoder(Arc::new(Inner {

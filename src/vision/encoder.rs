@@ -9,11 +9,12 @@
 //! the graph for its input shapes with the grid as a constant (a request runs the encoder once).
 
 use serde_json::Value;
-use tract_onnx::pb;
 use tract_onnx::prelude::*;
 
 use crate::error::{backend, invalid, Error, Result};
+use crate::model::onnx::Decoded;
 use crate::model::ops::parallel;
+use crate::model::tract_decoder::{shared_initializers, GraphTemplate};
 
 use super::idefics3::{Idefics3Processor, Tiles};
 use super::qwen2_vl::{Qwen2VlPixels, Qwen2VlProcessor};
@@ -30,7 +31,8 @@ pub enum VisionProcessor {
 /// A loaded vision encoder.
 #[derive(Debug)]
 pub struct VisionEncoder {
-    template: InferenceModel,
+    /// The graph, read into tract again for each request's input shapes.
+    template: GraphTemplate,
     /// Input index of `pixel_values` and of the second input (`grid_thw` or
     /// `pixel_attention_mask`).
     pixels: usize,
@@ -55,22 +57,31 @@ pub struct EncodedImages {
 }
 
 impl VisionEncoder {
+    /// The encoder of a decoded `vision_encoder.onnx`: its large initializers become tensors
+    /// one at a time (their data kept apart while it streamed in, or converted from the
+    /// protobuf, each one's bytes freed before the next), so the load holds its weights once.
     pub fn new(
-        proto: &pb::ModelProto,
+        decoded: Decoded,
         config: &Value,
         preprocessor: Option<&Value>,
     ) -> Result<VisionEncoder> {
-        let template = crate::model::ops::onnx()
-            .with_ignore_output_shapes(true)
-            .with_ignore_value_info(true)
-            .model_for_proto_model(proto)
-            .map_err(|e| Error::Model(format!("tract cannot read vision_encoder.onnx: {e:?}")))?;
-        let names: Vec<String> = template
+        let in_file = |e: Error| match e {
+            Error::Model(m) => Error::Model(format!("vision_encoder.onnx: {m}")),
+            e => e,
+        };
+        let Decoded { mut proto, apart } = decoded;
+        let tensors = shared_initializers(&mut proto, apart).map_err(in_file)?;
+        let template = GraphTemplate::new(proto, &tensors).map_err(in_file)?;
+        drop(tensors);
+        // Read once now: a graph tract cannot read fails the load, and its inputs are named.
+        let parsed = template.parse().map_err(in_file)?;
+        let names: Vec<String> = parsed
             .input_outlets()
             .map_err(backend)?
             .iter()
-            .map(|o| template.node(o.node).name.clone())
+            .map(|o| parsed.node(o.node).name.clone())
             .collect();
+        drop(parsed);
         let at = |n: &str| names.iter().position(|x| x == n);
         let pre = preprocessor.ok_or_else(|| {
             Error::Model("vision_encoder.onnx needs preprocessor_config.json beside it".into())
@@ -127,7 +138,7 @@ impl VisionEncoder {
     /// Compile the graph for these inputs (the second input's values are fixed in the plan:
     /// the graph derives shapes from them) and run it.
     fn run(&self, pixels: Tensor, second: Tensor) -> Result<Tensor> {
-        let mut model = self.template.clone();
+        let mut model = self.template.parse()?;
         model
             .set_input_fact(
                 self.pixels,
@@ -284,4 +295,72 @@ fn features_of(out: Tensor) -> Result<Features> {
         .map_err(backend)?
         .to_vec();
     Features::new(data.len() / hidden, hidden, data)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::model::onnx::{self, StreamDecoder};
+
+    fn fixture(name: &str, file: &str) -> Vec<u8> {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vlm/models");
+        std::fs::read(dir.join(name).join(file)).unwrap()
+    }
+
+    fn json(name: &str, file: &str) -> Value {
+        serde_json::from_slice(&fixture(name, file)).unwrap()
+    }
+
+    /// The encoder decoded as it streams in (as the package reads `vision_encoder.onnx`), its
+    /// large initializers kept apart, gives the same features to the bit as the encoder decoded
+    /// whole, whose large initializers are converted from the protobuf: with the threshold of
+    /// the package (one of the fixtures' initializers, Qwen2-VL's) and with 1 KB (most of them).
+    #[test]
+    fn an_encoder_streamed_in_gives_the_features_of_one_decoded_whole() {
+        for name in ["qwen2-vl", "smolvlm"] {
+            let bytes = fixture(name, "onnx/vision_encoder.onnx");
+            let (config, pre) = (
+                json(name, "config.json"),
+                json(name, "preprocessor_config.json"),
+            );
+            let image = RgbImage::new(
+                40,
+                24,
+                (0..40 * 24 * 3).map(|i| (i * 37 % 251) as u8).collect(),
+            )
+            .unwrap();
+            let features = |decoded| {
+                let encoder = VisionEncoder::new(decoded, &config, Some(&pre)).unwrap();
+                encoder
+                    .encode(std::slice::from_ref(&image))
+                    .unwrap()
+                    .features
+            };
+            let whole = features(Decoded {
+                proto: onnx::decode(&bytes, None, "vision_encoder.onnx").unwrap(),
+                apart: onnx::Apart::new(),
+            });
+            assert!(!whole.data.is_empty(), "{name}");
+            for large in [crate::model::ops::LARGE_INITIALIZER as u64, 1024] {
+                let mut stream = StreamDecoder::new_apart("vision_encoder.onnx").with_large(large);
+                for chunk in bytes.chunks(4096) {
+                    stream.feed(chunk).unwrap();
+                }
+                let streamed = stream.finish().unwrap();
+                let streamed = onnx::prepare(streamed, None, "vision_encoder.onnx").unwrap();
+                let apart = streamed.apart.len();
+                assert!(large > 1024 || apart >= 10, "{name}: {apart} apart");
+                let got = features(streamed);
+                assert_eq!((got.rows, got.hidden), (whole.rows, whole.hidden), "{name}");
+                let bits = |f: &Features| f.data.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&whole),
+                    "{name}, initializers of {large} bytes apart"
+                );
+            }
+        }
+    }
 }

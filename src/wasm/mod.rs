@@ -109,10 +109,10 @@ pub struct JsModel {
 
 /// The files whose bodies `js/helpers.js` streams into wasm memory chunk by chunk (Responses and
 /// URLs): no JavaScript copy of a whole file is made, so a model fetched from a URL is held once
-/// (here) until it is decoded, not also in the JavaScript heap. The decoder graph (`model`) and
-/// an encoder-decoder's encoder (`encoder`) are decoded as they arrive (`onnx::StreamDecoder`),
-/// their large initializers straight into the buffers of their tensors: their bytes are never
-/// held whole, and their weights once.
+/// (here) until it is decoded, not also in the JavaScript heap. The decoder graph (`model`), an
+/// encoder-decoder's encoder (`encoder`) and a vision encoder (`vision_encoder`) are decoded as
+/// they arrive (`onnx::StreamDecoder`), their large initializers straight into the buffers of
+/// their tensors: their bytes are never held whole, and their weights once.
 struct Received {
     files: Rc<RefCell<HashMap<String, Incoming>>>,
     /// `sink(file, chunk, total)` for `js/helpers.js`; alive while the files are read.
@@ -131,6 +131,9 @@ const STREAMED_GRAPH: &str = "model";
 
 /// An encoder-decoder's encoder graph, also decoded as it streams in.
 const STREAMED_ENCODER: &str = "encoder";
+
+/// A vision-language model's vision encoder, also decoded as it streams in.
+const STREAMED_VISION_ENCODER: &str = "vision_encoder";
 
 /// How much of a file given as bytes is copied into wasm memory at a time for the decoder.
 const FEED_CHUNK: u32 = 1 << 20;
@@ -167,7 +170,9 @@ impl Received {
                 // the old and the new buffer at once); a length that cannot be reserved (a wrong
                 // Content-Length) is not, rather than aborting the instance.
                 let total = total.as_f64().filter(|t| *t > 0.0).unwrap_or(0.0) as usize;
-                if file == STREAMED_GRAPH || file == STREAMED_ENCODER {
+                if [STREAMED_GRAPH, STREAMED_ENCODER, STREAMED_VISION_ENCODER]
+                    .contains(&file.as_str())
+                {
                     reserve_heap(total);
                     return Incoming::Onnx(Box::new(StreamDecoder::new_apart(&file)));
                 }
@@ -290,7 +295,9 @@ fn model_from_bytes(bytes: &JsValue, received: &Received) -> Result<JsModel, JsV
         encoder_external_data: file("encoder_external_data"),
         preprocessor_config: file("preprocessor_config"),
         embed_tokens: file("embed_tokens"),
-        vision_encoder: file("vision_encoder"),
+        vision_encoder_proto: received
+            .take_graph(bytes, STREAMED_VISION_ENCODER, "vision_encoder.onnx")
+            .map_err(js_error)?,
         ..ModelFiles::default()
     };
     let model = Model::load_owned(files).map_err(js_error)?;
