@@ -4,10 +4,11 @@
 
 use std::sync::Arc;
 
-use tract_onnx::pb;
 use tract_onnx::prelude::*;
 
 use crate::error::{backend, Error, Result};
+use crate::model::onnx::Decoded;
+use crate::model::tract_decoder::{shared_initializers, GraphTemplate};
 
 /// A compiled embeddings graph.
 #[derive(Debug)]
@@ -18,12 +19,20 @@ pub struct Embedder {
 }
 
 impl Embedder {
-    pub fn new(proto: &pb::ModelProto) -> Result<Embedder> {
-        let mut model = super::ops::onnx()
-            .with_ignore_output_shapes(true)
-            .with_ignore_value_info(true)
-            .model_for_proto_model(proto)
-            .map_err(|e| Error::Model(format!("tract cannot read embed_tokens.onnx: {e:?}")))?;
+    /// The embeddings of a decoded `embed_tokens.onnx`: its large initializers (the table)
+    /// become tensors one at a time (kept apart while it streamed in, or converted from the
+    /// protobuf, each one's bytes freed before the next), so the load holds the table once.
+    pub fn new(decoded: Decoded) -> Result<Embedder> {
+        let in_file = |e: Error| match e {
+            Error::Model(m) => Error::Model(format!("embed_tokens.onnx: {m}")),
+            e => e,
+        };
+        let Decoded { mut proto, apart } = decoded;
+        let tensors = shared_initializers(&mut proto, apart).map_err(in_file)?;
+        let mut model = GraphTemplate::new(proto, &tensors)
+            .and_then(|template| template.parse())
+            .map_err(in_file)?;
+        drop(tensors);
         let inputs = model.input_outlets().map_err(backend)?.len();
         if inputs != 1 {
             return Err(Error::Model(format!(
@@ -63,6 +72,45 @@ impl Embedder {
                 "embed_tokens.onnx returned shape {shape:?} for {rows}x{seq} ids; expected \
                  [batch, sequence, hidden]"
             ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::model::onnx::{self, StreamDecoder};
+
+    /// The embeddings graph decoded as it streams in (as the package reads
+    /// `embed_tokens.onnx`), its large initializers kept apart, gives the embeddings of the graph
+    /// decoded whole, to the bit: with the package's threshold and with 1 KB.
+    #[test]
+    fn embeddings_streamed_in_are_those_of_the_graph_decoded_whole() {
+        for name in ["qwen2-vl", "smolvlm"] {
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vlm/models");
+            let bytes = std::fs::read(dir.join(name).join("onnx/embed_tokens.onnx")).unwrap();
+            let ids = [0, 5, 17, 3, 42, 1];
+            let whole = onnx::decode(&bytes, None, "embed_tokens.onnx").unwrap();
+            let whole = Embedder::new(Decoded {
+                proto: whole,
+                apart: onnx::Apart::new(),
+            })
+            .unwrap();
+            let want = whole.embed(&ids, 2, 3).unwrap();
+            assert_eq!(want.len(), 6 * whole.hidden, "{name}");
+            for large in [crate::model::ops::LARGE_INITIALIZER as u64, 1024] {
+                let mut stream = StreamDecoder::new_apart("embed_tokens.onnx").with_large(large);
+                for chunk in bytes.chunks(4096) {
+                    stream.feed(chunk).unwrap();
+                }
+                let decoded = onnx::prepare(stream.finish().unwrap(), None, "e.onnx").unwrap();
+                assert!(!decoded.apart.is_empty(), "{name}: the table is kept apart");
+                let got = Embedder::new(decoded).unwrap().embed(&ids, 2, 3).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{name}, {large} bytes apart");
+            }
         }
     }
 }

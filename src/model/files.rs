@@ -38,6 +38,9 @@ pub struct ModelFiles {
     /// Vision-language models (transformers.js layout): `embed_tokens.onnx`, the embeddings
     /// of a decoder that reads `inputs_embeds`, and `vision_encoder.onnx`.
     pub embed_tokens: Option<Vec<u8>>,
+    /// The embeddings graph, already decoded (as `model_proto`): used instead of
+    /// `embed_tokens`.
+    pub embed_tokens_proto: Option<super::onnx::Decoded>,
     pub embed_tokens_external_data: Option<Vec<u8>>,
     pub vision_encoder: Option<Vec<u8>>,
     /// The vision encoder, already decoded (as `model_proto`): used instead of

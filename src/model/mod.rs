@@ -38,12 +38,46 @@ enum Graph {
     Decoded(Box<Decoded>),
 }
 
+impl Graph {
+    /// A graph taken out of the files: decoded as it streamed in, else its bytes.
+    fn take(decoded: &mut Option<Decoded>, bytes: &mut Option<Vec<u8>>) -> Option<Graph> {
+        match decoded.take() {
+            Some(decoded) => Some(Graph::Decoded(Box::new(decoded))),
+            None => bytes.take().map(Graph::Bytes),
+        }
+    }
+}
+
+/// A graph beside the decoder (`embed_tokens.onnx`, `vision_encoder.onnx`), decoded and
+/// prepared: `taken` out of the files (`load_owned`; bytes are dropped once decoded, before its
+/// weights become tensors), else read from the files (`decoded` as it streamed in, or `bytes`).
+fn side_graph(
+    taken: Option<Graph>,
+    decoded: Option<&Decoded>,
+    bytes: Option<&[u8]>,
+    data: Option<&[u8]>,
+    name: &str,
+) -> Result<Option<Decoded>> {
+    let whole = |proto| Decoded {
+        proto,
+        apart: Apart::new(),
+    };
+    Ok(Some(match (taken, decoded, bytes) {
+        (Some(Graph::Decoded(decoded)), _, _) => onnx::prepare(*decoded, data, name)?,
+        (Some(Graph::Bytes(bytes)), _, _) => whole(onnx::decode(&bytes, data, name)?),
+        (None, Some(decoded), _) => onnx::prepare(decoded.clone(), data, name)?,
+        (None, None, Some(bytes)) => whole(onnx::decode(bytes, data, name)?),
+        (None, None, None) => return Ok(None),
+    }))
+}
+
 /// What `Model::load_owned` takes out of the files: the decoder graph, its external data, and
 /// an encoder decoded as it streamed in.
 struct Owned {
     graph: Graph,
     external: Option<Vec<u8>>,
     encoder: Option<Decoded>,
+    embed_tokens: Option<Graph>,
     vision_encoder: Option<Graph>,
 }
 
@@ -93,16 +127,16 @@ impl Model {
         };
         let external = files.external_data.take();
         let encoder = files.encoder_proto.take();
-        let vision_encoder = match files.vision_encoder_proto.take() {
-            Some(decoded) => Some(Graph::Decoded(Box::new(decoded))),
-            None => files.vision_encoder.take().map(Graph::Bytes),
-        };
+        let embed_tokens = Graph::take(&mut files.embed_tokens_proto, &mut files.embed_tokens);
+        let vision_encoder =
+            Graph::take(&mut files.vision_encoder_proto, &mut files.vision_encoder);
         Self::load_from(
             &files,
             Some(Owned {
                 graph,
                 external,
                 encoder,
+                embed_tokens,
                 vision_encoder,
             }),
         )
@@ -123,14 +157,20 @@ impl Model {
             proto,
             apart: Apart::new(),
         };
-        let (owned, encoder_decoded, vision_graph) = match owned {
+        let (owned, encoder_decoded, embed_graph, vision_graph) = match owned {
             Some(Owned {
                 graph,
                 external,
                 encoder,
+                embed_tokens,
                 vision_encoder,
-            }) => (Some((graph, external)), encoder, vision_encoder),
-            None => (None, files.encoder_proto.clone(), None),
+            }) => (
+                Some((graph, external)),
+                encoder,
+                embed_tokens,
+                vision_encoder,
+            ),
+            None => (None, files.encoder_proto.clone(), None, None),
         };
         let decoded = match owned {
             // Dropped at the end of this arm, before tract reads the graph.
@@ -202,16 +242,17 @@ impl Model {
                 Engine::Seq2Seq(Arc::new(Seq2Seq::new(graphs, signature.clone(), vocab)?))
             }
             None => {
-                let embed = match (&files.embed_tokens, signature.takes_ids) {
-                    (Some(bytes), false) => {
-                        let data = files.embed_tokens_external_data.as_deref();
-                        Some(Embedder::new(&onnx::decode(
-                            bytes,
-                            data,
-                            "embed_tokens.onnx",
-                        )?)?)
-                    }
-                    _ => None,
+                let embed = match signature.takes_ids {
+                    false => side_graph(
+                        embed_graph,
+                        files.embed_tokens_proto.as_ref(),
+                        files.embed_tokens.as_deref(),
+                        files.embed_tokens_external_data.as_deref(),
+                        "embed_tokens.onnx",
+                    )?
+                    .map(Embedder::new)
+                    .transpose()?,
+                    true => None,
                 };
                 Engine::Decoder(TractDecoder::new_decoded(
                     decoded,
@@ -233,33 +274,16 @@ impl Model {
             }
             _ => None,
         };
-        const VISION_ENCODER: &str = "vision_encoder.onnx";
         let vision_encoder = match &vision {
-            Some(_) => {
-                let data = files.vision_encoder_external_data.as_deref();
-                // Taken out of the files (`load_owned`), or read from them.
-                let decoded = match vision_graph {
-                    Some(Graph::Decoded(decoded)) => {
-                        Some(onnx::prepare(*decoded, data, VISION_ENCODER)?)
-                    }
-                    // The bytes are dropped here, before the weights become tensors.
-                    Some(Graph::Bytes(bytes)) => {
-                        Some(inline(onnx::decode(&bytes, data, VISION_ENCODER)?))
-                    }
-                    None => match (&files.vision_encoder_proto, &files.vision_encoder) {
-                        (Some(decoded), _) => {
-                            Some(onnx::prepare(decoded.clone(), data, VISION_ENCODER)?)
-                        }
-                        (None, Some(bytes)) => {
-                            Some(inline(onnx::decode(bytes, data, VISION_ENCODER)?))
-                        }
-                        (None, None) => None,
-                    },
-                };
-                decoded
-                    .map(|d| VisionEncoder::new(d, &config, preprocessor_config.as_ref()))
-                    .transpose()?
-            }
+            Some(_) => side_graph(
+                vision_graph,
+                files.vision_encoder_proto.as_ref(),
+                files.vision_encoder.as_deref(),
+                files.vision_encoder_external_data.as_deref(),
+                "vision_encoder.onnx",
+            )?
+            .map(|d| VisionEncoder::new(d, &config, preprocessor_config.as_ref()))
+            .transpose()?,
             None => None,
         };
         if let (Engine::Seq2Seq(s), Some(pre)) = (&engine, &preprocessor_config) {

@@ -110,9 +110,10 @@ pub struct JsModel {
 /// The files whose bodies `js/helpers.js` streams into wasm memory chunk by chunk (Responses and
 /// URLs): no JavaScript copy of a whole file is made, so a model fetched from a URL is held once
 /// (here) until it is decoded, not also in the JavaScript heap. The decoder graph (`model`), an
-/// encoder-decoder's encoder (`encoder`) and a vision encoder (`vision_encoder`) are decoded as
-/// they arrive (`onnx::StreamDecoder`), their large initializers straight into the buffers of
-/// their tensors: their bytes are never held whole, and their weights once.
+/// encoder-decoder's encoder (`encoder`) and a vision-language model's `embed_tokens` and
+/// `vision_encoder` are decoded as they arrive (`onnx::StreamDecoder`), their large initializers
+/// straight into the buffers of their tensors: their bytes are never held whole, and their
+/// weights once.
 struct Received {
     files: Rc<RefCell<HashMap<String, Incoming>>>,
     /// `sink(file, chunk, total)` for `js/helpers.js`; alive while the files are read.
@@ -132,7 +133,8 @@ const STREAMED_GRAPH: &str = "model";
 /// An encoder-decoder's encoder graph, also decoded as it streams in.
 const STREAMED_ENCODER: &str = "encoder";
 
-/// A vision-language model's vision encoder, also decoded as it streams in.
+/// A vision-language model's embeddings and vision encoder, also decoded as they stream in.
+const STREAMED_EMBED_TOKENS: &str = "embed_tokens";
 const STREAMED_VISION_ENCODER: &str = "vision_encoder";
 
 /// How much of a file given as bytes is copied into wasm memory at a time for the decoder.
@@ -170,9 +172,13 @@ impl Received {
                 // the old and the new buffer at once); a length that cannot be reserved (a wrong
                 // Content-Length) is not, rather than aborting the instance.
                 let total = total.as_f64().filter(|t| *t > 0.0).unwrap_or(0.0) as usize;
-                if [STREAMED_GRAPH, STREAMED_ENCODER, STREAMED_VISION_ENCODER]
-                    .contains(&file.as_str())
-                {
+                let streamed = [
+                    STREAMED_GRAPH,
+                    STREAMED_ENCODER,
+                    STREAMED_EMBED_TOKENS,
+                    STREAMED_VISION_ENCODER,
+                ];
+                if streamed.contains(&file.as_str()) {
                     reserve_heap(total);
                     return Incoming::Onnx(Box::new(StreamDecoder::new_apart(&file)));
                 }
@@ -294,7 +300,9 @@ fn model_from_bytes(bytes: &JsValue, received: &Received) -> Result<JsModel, JsV
             .map_err(js_error)?,
         encoder_external_data: file("encoder_external_data"),
         preprocessor_config: file("preprocessor_config"),
-        embed_tokens: file("embed_tokens"),
+        embed_tokens_proto: received
+            .take_graph(bytes, STREAMED_EMBED_TOKENS, "embed_tokens.onnx")
+            .map_err(js_error)?,
         vision_encoder_proto: received
             .take_graph(bytes, STREAMED_VISION_ENCODER, "vision_encoder.onnx")
             .map_err(js_error)?,
