@@ -71,8 +71,8 @@ fn side_graph(
     }))
 }
 
-/// What `Model::load_owned` takes out of the files: the decoder graph, its external data, and
-/// an encoder decoded as it streamed in.
+/// What `Model::load_owned` takes out of the files: the decoder graph, its external data, an
+/// encoder decoded as it streamed in, and the graphs beside a vision-language decoder.
 struct Owned {
     graph: Graph,
     external: Option<Vec<u8>>,
@@ -242,8 +242,10 @@ impl Model {
                 Engine::Seq2Seq(Arc::new(Seq2Seq::new(graphs, signature.clone(), vocab)?))
             }
             None => {
-                let embed = match signature.takes_ids {
-                    false => side_graph(
+                let embed = if signature.takes_ids {
+                    None
+                } else {
+                    side_graph(
                         embed_graph,
                         files.embed_tokens_proto.as_ref(),
                         files.embed_tokens.as_deref(),
@@ -251,8 +253,7 @@ impl Model {
                         "embed_tokens.onnx",
                     )?
                     .map(Embedder::new)
-                    .transpose()?,
-                    true => None,
+                    .transpose()?
                 };
                 Engine::Decoder(TractDecoder::new_decoded(
                     decoded,
