@@ -40,6 +40,14 @@ macro_rules! invalid {
 }
 pub(crate) use invalid;
 
+/// A model error's message prefixed with the file it is about (`map_err(in_file(name))`).
+pub(crate) fn in_file(file: &str) -> impl Fn(Error) -> Error + '_ {
+    move |e| match e {
+        Error::Model(m) => Error::Model(format!("{file}: {m}")),
+        e => e,
+    }
+}
+
 /// Render a tract error with its whole context chain (tract errors are `anyhow` errors).
 pub(crate) fn backend(e: impl fmt::Debug) -> Error {
     Error::Backend(format!("{e:?}"))

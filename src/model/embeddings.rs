@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use tract_onnx::prelude::*;
 
-use crate::error::{backend, Error, Result};
+use crate::error::{backend, in_file, Error, Result};
 use crate::model::onnx::Decoded;
-use crate::model::tract_decoder::{shared_initializers, GraphTemplate};
+use crate::model::tract_decoder::GraphTemplate;
 
 /// A compiled embeddings graph.
 #[derive(Debug)]
@@ -23,16 +23,9 @@ impl Embedder {
     /// become tensors one at a time (kept apart while it streamed in, or converted from the
     /// protobuf, each one's bytes freed before the next), so the load holds the table once.
     pub fn new(decoded: Decoded) -> Result<Embedder> {
-        let in_file = |e: Error| match e {
-            Error::Model(m) => Error::Model(format!("embed_tokens.onnx: {m}")),
-            e => e,
-        };
-        let Decoded { mut proto, apart } = decoded;
-        let tensors = shared_initializers(&mut proto, apart).map_err(in_file)?;
-        let mut model = GraphTemplate::new(proto, &tensors)
+        let mut model = GraphTemplate::of(decoded)
             .and_then(|template| template.parse())
-            .map_err(in_file)?;
-        drop(tensors);
+            .map_err(in_file("embed_tokens.onnx"))?;
         let inputs = model.input_outlets().map_err(backend)?.len();
         if inputs != 1 {
             return Err(Error::Model(format!(

@@ -133,13 +133,7 @@ impl Seq2Seq {
             )));
         }
         let none = HashMap::new();
-        let Decoded {
-            proto: mut encoder,
-            apart,
-        } = graphs.encoder;
-        let encoder_tensors = shared_initializers(&mut encoder, apart)?;
-        let encoder = GraphTemplate::new(encoder, &encoder_tensors)?;
-        drop(encoder_tensors);
+        let encoder = GraphTemplate::of(graphs.encoder)?;
         let Decoded {
             proto: mut decoder,
             apart,

@@ -400,6 +400,14 @@ impl GraphTemplate {
         })
     }
 
+    /// The template of a decoded graph whose large initializers no other graph shares (an
+    /// encoder's, a vision encoder's, an embeddings graph's).
+    pub(crate) fn of(decoded: Decoded) -> Result<GraphTemplate> {
+        let Decoded { mut proto, apart } = decoded;
+        let tensors = shared_initializers(&mut proto, apart)?;
+        GraphTemplate::new(proto, &tensors)
+    }
+
     /// The graph read into tract (the caller declares its inputs: symbolic sequence and past
     /// lengths, an image's shape).
     pub(crate) fn parse(&self) -> Result<InferenceModel> {

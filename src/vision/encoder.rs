@@ -11,10 +11,10 @@
 use serde_json::Value;
 use tract_onnx::prelude::*;
 
-use crate::error::{backend, invalid, Error, Result};
+use crate::error::{backend, in_file, invalid, Error, Result};
 use crate::model::onnx::Decoded;
 use crate::model::ops::parallel;
-use crate::model::tract_decoder::{shared_initializers, GraphTemplate};
+use crate::model::tract_decoder::GraphTemplate;
 
 use super::idefics3::{Idefics3Processor, Tiles};
 use super::qwen2_vl::{Qwen2VlPixels, Qwen2VlProcessor};
@@ -65,14 +65,8 @@ impl VisionEncoder {
         config: &Value,
         preprocessor: Option<&Value>,
     ) -> Result<VisionEncoder> {
-        let in_file = |e: Error| match e {
-            Error::Model(m) => Error::Model(format!("vision_encoder.onnx: {m}")),
-            e => e,
-        };
-        let Decoded { mut proto, apart } = decoded;
-        let tensors = shared_initializers(&mut proto, apart).map_err(in_file)?;
-        let template = GraphTemplate::new(proto, &tensors).map_err(in_file)?;
-        drop(tensors);
+        let in_file = in_file("vision_encoder.onnx");
+        let template = GraphTemplate::of(decoded).map_err(&in_file)?;
         // Read once now: a graph tract cannot read fails the load, and its inputs are named.
         let parsed = template.parse().map_err(in_file)?;
         let names: Vec<String> = parsed
