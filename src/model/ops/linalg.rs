@@ -338,19 +338,19 @@ pub fn axpy_rows_f16(x: &[f32], w: &[u16], stride: usize, out: &mut [f32]) {
     }
 }
 
-/// `sum_k x[k] * f16(w[k])`, sixteen independent sums, summed in lane order at the end.
+/// `sum_k x[k] * f16(w[k])`: eight independent sums (`k % 8`), summed in order at the end.
 #[inline(always)]
 fn dot_f16_with(x: &[f32], w: &[u16], f16: impl Fn(u16) -> f32) -> f32 {
     let len = x.len().min(w.len());
-    let mut acc = [0f32; 16];
-    let chunks = len / 16;
-    for (xs, ws) in x.chunks_exact(16).zip(w.chunks_exact(16)) {
-        for i in 0..16 {
+    let mut acc = [0f32; 8];
+    let chunks = len / 8;
+    for (xs, ws) in x.chunks_exact(8).zip(w.chunks_exact(8)) {
+        for i in 0..8 {
             acc[i] += xs[i] * f16(ws[i]);
         }
     }
     let mut sum: f32 = acc.iter().sum();
-    for i in chunks * 16..len {
+    for i in chunks * 8..len {
         sum += x[i] * f16(w[i]);
     }
     sum
@@ -546,12 +546,11 @@ mod kernels {
         (lo, hi)
     }
 
-    /// `x` in the order `dot_f16_scaled` takes it: in each whole chunk of sixteen, the even
-    /// values of each eight, then the odd ones (the order in which the kernel widens the
-    /// weights); the tail as it is.
+    /// `x` in the order `dot_f16_scaled` takes it: in each whole chunk of eight, the even
+    /// values, then the odd ones (the order in which the kernel widens the weights); the tail
+    /// as it is.
     pub fn order_for_dot_f16(x: &mut [f32]) {
-        let whole = x.len() / 16 * 2;
-        for chunk in x.chunks_exact_mut(8).take(whole) {
+        for chunk in x.chunks_exact_mut(8) {
             let c: [f32; 8] = [0, 2, 4, 6, 1, 3, 5, 7].map(|i| chunk[i]);
             chunk.copy_from_slice(&c);
         }
@@ -560,30 +559,30 @@ mod kernels {
     /// `dot_f16_with` of `x` (ordered by `order_for_dot_f16`) and each row of `w`, the rows
     /// read side by side. Each load of eight f16 widens in five simd operations, the even ones
     /// shifted up and both arithmetic-shifted into place and masked (`f16_scaled`'s bits),
-    /// against seven for `load8`'s widening of the low and high halves. Lane `l` of a row's sum
-    /// `2h + p` holds the weights `8h + 2l + p` of each chunk of sixteen, so the sums are added
-    /// in the portable kernel's order.
+    /// against seven for `load8`'s widening of the low and high halves. A row's two sums hold
+    /// in lane `l` its weights `2l` (even) and `2l + 1` (odd) of each chunk of eight, so the
+    /// sums are added in the portable kernel's order. Two sums a row keep the four rows' sums,
+    /// the two loads of `x`, the mask and a weight being widened within x86-64's sixteen simd
+    /// registers; with four sums a row V8 kept half of them on the stack.
     pub fn dot_f16_scaled<const N: usize>(x: &[f32], w: [&[u16]; N]) -> [f32; N] {
         let len = x.len();
         let w = w.map(|w| &w[..len]);
-        let chunks = len / 16;
+        let chunks = len / 8;
         let mask = u32x4_splat(0x8fff_e000);
-        let mut acc = [[f32x4_splat(0.0); 4]; N];
+        let mut acc = [[f32x4_splat(0.0); 2]; N];
         for c in 0..chunks {
-            // SAFETY: chunk c covers x[16c..16c+16] and each w[16c..16c+16], within `len`;
+            // SAFETY: chunk c covers x[8c..8c+8] and each w[8c..8c+8], within `len`;
             // v128_load accepts unaligned addresses.
             unsafe {
-                let xp = x.as_ptr().add(c * 16);
-                for h in 0..2 {
-                    let xe = v128_load(xp.add(8 * h) as *const v128);
-                    let xo = v128_load(xp.add(8 * h + 4) as *const v128);
-                    for (acc, w) in acc.iter_mut().zip(&w) {
-                        let v = v128_load(w.as_ptr().add(c * 16 + 8 * h) as *const v128);
-                        let even = v128_and(i32x4_shr(i32x4_shl(v, 16), 3), mask);
-                        let odd = v128_and(i32x4_shr(v, 3), mask);
-                        acc[2 * h] = madd(xe, even, acc[2 * h]);
-                        acc[2 * h + 1] = madd(xo, odd, acc[2 * h + 1]);
-                    }
+                let xp = x.as_ptr().add(c * 8);
+                let xe = v128_load(xp as *const v128);
+                let xo = v128_load(xp.add(4) as *const v128);
+                for (acc, w) in acc.iter_mut().zip(&w) {
+                    let v = v128_load(w.as_ptr().add(c * 8) as *const v128);
+                    let even = v128_and(i32x4_shr(i32x4_shl(v, 16), 3), mask);
+                    let odd = v128_and(i32x4_shr(v, 3), mask);
+                    acc[0] = madd(xe, even, acc[0]);
+                    acc[1] = madd(xo, odd, acc[1]);
                 }
             }
         }
@@ -597,10 +596,10 @@ mod kernels {
                 ]
             });
             let mut sum = 0f32;
-            for i in 0..16 {
-                sum += lanes[2 * (i / 8) + i % 2][(i % 8) / 2];
+            for i in 0..8 {
+                sum += lanes[i % 2][i / 2];
             }
-            for i in chunks * 16..len {
+            for i in chunks * 8..len {
                 sum += x[i] * f16_scaled(w[r][i]);
             }
             sum
@@ -813,14 +812,14 @@ mod tests {
 
     /// `dot_f16_with`'s order of additions over f32 weights.
     fn dot_f16_ref(x: &[f32], w: &[f32]) -> f32 {
-        let mut acc = [0f32; 16];
-        for (xs, ws) in x.chunks_exact(16).zip(w.chunks_exact(16)) {
-            for i in 0..16 {
+        let mut acc = [0f32; 8];
+        for (xs, ws) in x.chunks_exact(8).zip(w.chunks_exact(8)) {
+            for i in 0..8 {
                 acc[i] += xs[i] * ws[i];
             }
         }
         let mut sum: f32 = acc.iter().sum();
-        for i in x.len() / 16 * 16..x.len() {
+        for i in x.len() / 8 * 8..x.len() {
             sum += x[i] * w[i];
         }
         sum
