@@ -16,6 +16,7 @@ use crate::model::onnx::{into_typed, is_number, specialize_bool_input, Apart, De
 use crate::model::ops::matmul_runtime::past_where_it_lies;
 use crate::model::ops::matmul_weights::{Weights, WeightsOp};
 use crate::model::ops::parallel::{self, Step};
+use crate::model::ops::streams;
 use crate::model::session::Session;
 use crate::model::signature::{
     non_standard_ops, CacheMode, Dtype, Signature, ONNX_FLOAT16, ONNX_INT32,
@@ -78,6 +79,8 @@ struct Inner {
     embed: Option<Embedder>,
     /// The `lm_head` computed outside the plans, shared by them (its int8 copy made once).
     head: OnceLock<Arc<LmHead>>,
+    /// Parts of a weight its decoding kernels read side by side.
+    streams: streams::Choice,
 }
 
 impl TractDecoder {
@@ -159,6 +162,7 @@ impl TractDecoder {
             vocab,
             embed,
             head: OnceLock::new(),
+            streams: streams::Choice::default(),
         }));
         // Compile the plan of one row now, so that a graph tract cannot run fails at load time.
         decoder.0.plan(1, false)?;
@@ -757,11 +761,21 @@ impl DecoderState for TractState {
         } else {
             Step::Other
         };
-        parallel::team(kind, || match self.decoder.sig.cache_mode {
-            CacheMode::Grow => self.step_grow(tokens, seq),
-            CacheMode::InPlace => self.step_in_place(tokens, &counts, seq),
-            CacheMode::Append => self.step_append(tokens, &counts, seq),
-        })
+        let decoder = Arc::clone(&self.decoder);
+        let mut step = || {
+            parallel::team(kind, || match self.decoder.sig.cache_mode {
+                CacheMode::Grow => self.step_grow(tokens, seq),
+                CacheMode::InPlace => self.step_in_place(tokens, &counts, seq),
+                CacheMode::Append => self.step_append(tokens, &counts, seq),
+            })
+        };
+        // A step of one row and one token runs the decoding kernels, which read their weights
+        // as one stream or as four where that is faster on this machine (`streams`).
+        if kind == Step::Decoding && rows == 1 {
+            decoder.streams.decoding_step(step)
+        } else {
+            step()
+        }
     }
 
     fn reorder(&mut self, parents: &[usize]) -> Result<()> {
@@ -1258,6 +1272,7 @@ mod tests {
                 vocab,
                 embed: None,
                 head: OnceLock::new(),
+                streams: Default::default(),
             }));
             assert!(whole.0.plan(1, false).unwrap().head.is_none());
             for rows in [1, 2] {

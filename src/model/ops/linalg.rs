@@ -1,6 +1,8 @@
 //! Small f32 kernels shared by the matmul ops, written so that LLVM vectorizes them (SSE/AVX
 //! natively, simd128 in wasm): independent accumulators, fixed-width inner loops.
 
+use super::streams;
+
 /// A dot product (eight independent sums).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let len = a.len().min(b.len());
@@ -284,7 +286,8 @@ fn scaled_input(x: &[f32]) -> Option<Vec<f32>> {
 /// row at a time (each run of rows read into the cache first), 22.7 for two streams, 18.1 for
 /// four, 17.2 for eight; four adjacent rows, one stream, took 38.7. In the package, eight f16
 /// rows decoded no faster than four, and two f32 panels or two int8 blocks gained half or none
-/// of what four do.
+/// of what four do. Where memory is fast, one stream can decode faster: each decoder chooses
+/// (`streams`).
 pub(crate) const STREAMS: usize = 4;
 
 /// `0..count` for a kernel that reads `N` parts side by side: the groups `[i, i + q, ..,
@@ -298,8 +301,8 @@ pub(crate) fn side_by_side<const N: usize>(
 }
 
 /// `out[j] = sum_k x[k] * w[j, k]` with f16 weights `[out.len(), x.len()]`: one dot product
-/// per output, those of rows `j`, `j + q`, `j + 2q`, ... (`q` = a [`STREAMS`]th of the rows) at
-/// once.
+/// per output, those of rows `j`, `j + q`, `j + 2q`, ... (`q` = a [`STREAMS`]th of the rows,
+/// or each row alone: `streams::count`) at once.
 pub fn matvec_f16_nk(x: &[f32], w: &[u16], out: &mut [f32]) {
     let k = x.len();
     match scaled_input(x) {
@@ -309,16 +312,10 @@ pub fn matvec_f16_nk(x: &[f32], w: &[u16], out: &mut [f32]) {
                 .len()
                 .checked_div(k)
                 .map_or(out.len(), |r| r.min(out.len()));
-            let row = |j: usize| &w[j * k..(j + 1) * k];
-            let (groups, rest) = side_by_side::<STREAMS>(rows);
-            for js in groups {
-                let sums = kernels::dot_f16_scaled(&xs, js.map(row));
-                for (j, sum) in js.into_iter().zip(sums) {
-                    out[j] = sum;
-                }
-            }
-            for j in rest {
-                [out[j]] = kernels::dot_f16_scaled(&xs, [row(j)]);
+            if streams::count() == 1 {
+                dot_f16_rows::<1>(&xs, w, rows, out);
+            } else {
+                dot_f16_rows::<STREAMS>(&xs, w, rows, out);
             }
         }
         None => {
@@ -326,6 +323,23 @@ pub fn matvec_f16_nk(x: &[f32], w: &[u16], out: &mut [f32]) {
                 *o = dot_f16_with(x, w, f16_to_f32);
             }
         }
+    }
+}
+
+/// `matvec_f16_nk` of `rows` rows, `xs` scaled and ordered for `dot_f16_scaled`, `S` rows a
+/// `S`th of them apart at once.
+fn dot_f16_rows<const S: usize>(xs: &[f32], w: &[u16], rows: usize, out: &mut [f32]) {
+    let k = xs.len();
+    let row = |j: usize| &w[j * k..(j + 1) * k];
+    let (groups, rest) = side_by_side::<S>(rows);
+    for js in groups {
+        let sums = kernels::dot_f16_scaled(xs, js.map(row));
+        for (j, sum) in js.into_iter().zip(sums) {
+            out[j] = sum;
+        }
+    }
+    for j in rest {
+        [out[j]] = kernels::dot_f16_scaled(xs, [row(j)]);
     }
 }
 
@@ -769,6 +783,25 @@ mod tests {
             x[k / 2] = 70000.0; // beyond SCALED_INPUT_LIMIT: the unscaled path
         }
         (x, w)
+    }
+
+    /// f16 rows read one at a time or four side by side (`streams`) give the same bits, with
+    /// rows left over after the groups of four.
+    #[test]
+    fn f16_rows_one_at_a_time_or_side_by_side_give_the_same_sums() {
+        let (k, n) = (40, 103);
+        let (x, w) = case(k, n, false);
+        let mut xs = scaled_input(&x).unwrap();
+        kernels::order_for_dot_f16(&mut xs);
+        let mut one = vec![0f32; n];
+        dot_f16_rows::<1>(&xs, &w, n, &mut one);
+        let mut four = vec![0f32; n];
+        dot_f16_rows::<STREAMS>(&xs, &w, n, &mut four);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&one), bits(&four));
+        let mut all = vec![0f32; n];
+        matvec_f16_nk(&x, &w, &mut all);
+        assert_eq!(bits(&all), bits(&four));
     }
 
     /// The f16 kernels give the f32 kernels' sums on the converted weights, bit for bit, on

@@ -717,6 +717,7 @@ mod kernels {
     use core::arch::wasm32::*;
 
     use super::super::linalg::{side_by_side, STREAMS};
+    use super::super::streams;
 
     /// `(a, b)` as one i32: a splat of it is the i16x8 multiplier of a pair of weight rows.
     #[inline(always)]
@@ -801,14 +802,28 @@ mod kernels {
     /// in Node, SmolLM2's `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights
     /// streamed from memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time
     /// was 1268 ms against 1454 (the prompt's widening included). `STREAMS` blocks a quarter
-    /// of the weight apart are multiplied at once: int8 SmolLM2 in Node 15.6-19.7 ms a token
-    /// against 18.9-22.6 for one block at a time (each run of blocks read into the cache
-    /// first); two blocks at once were no faster.
+    /// of the weight apart are multiplied at once (or one: `streams::count`): int8 SmolLM2 in
+    /// Node on a 2-core Xeon 15.6-19.7 ms a token against 18.9-22.6 for one block at a time
+    /// (each run of blocks read into the cache first); two blocks at once were no faster.
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
-        let (groups, rest) = side_by_side::<STREAMS>(out.len() / 16);
+        if streams::count() == 1 {
+            blocks_side_by_side::<SIGNED, 1>(a, w, k, out);
+        } else {
+            blocks_side_by_side::<SIGNED, STREAMS>(a, w, k, out);
+        }
+    }
+
+    /// `matvec_blocks` with `S` blocks a `S`th of them apart at once.
+    fn blocks_side_by_side<const SIGNED: bool, const S: usize>(
+        a: &[i16],
+        w: &[u8],
+        k: usize,
+        out: &mut [i32],
+    ) {
+        let (groups, rest) = side_by_side::<S>(out.len() / 16);
         for bs in groups {
-            blocks_dot::<SIGNED, STREAMS>(a, w, k, bs, out);
+            blocks_dot::<SIGNED, S>(a, w, k, bs, out);
         }
         for b in rest {
             blocks_dot::<SIGNED, 1>(a, w, k, [b], out);

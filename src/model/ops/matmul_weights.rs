@@ -23,7 +23,7 @@ use super::linalg::{
     axpy_rows, axpy_rows_f16, dot, dot4, dot4_panel, dot4x2, dot4x2_panel, dot_panel, dot_panels,
     f16_is_special, f16_to_f32_slice, matvec_f16_nk, side_by_side, touch, STREAMS,
 };
-use super::{initializer_dims, matmul_output_fact, node_label};
+use super::{initializer_dims, matmul_output_fact, node_label, streams};
 
 /// How `B` is stored (the `layout` attribute: 0, 1, 2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -361,23 +361,16 @@ fn matmul_nk(
     if rows == 1 {
         match w {
             W::F32(w) if panels => {
-                // `STREAMS` panels a quarter of the columns apart at once. fp32 SmolLM2 in
-                // Node: 40.5-41.5 ms a token, 42.4-45.2 with two, 45.2-47.5 one panel at a time
-                // (each run of panels read into the cache first).
+                // `STREAMS` panels a quarter of the columns apart at once (or one panel at a
+                // time: `streams::count`). fp32 SmolLM2 in Node on a 2-core Xeon: 40.5-41.5 ms
+                // a token, 42.4-45.2 with two, 45.2-47.5 one panel at a time (each run of
+                // panels read into the cache first).
                 let whole = cols.len() / COLS;
-                let panel = |p: usize| {
-                    let first = cols.start + COLS * p;
-                    &w[first * k..(first + COLS) * k]
-                };
-                let (groups, rest) = side_by_side::<STREAMS>(whole);
-                for ps in groups {
-                    let sums = dot_panels(x, ps.map(panel));
-                    for (p, sums) in ps.into_iter().zip(sums) {
-                        block[COLS * p..COLS * p + COLS].copy_from_slice(&sums);
-                    }
-                }
-                for p in rest {
-                    block[COLS * p..COLS * p + COLS].copy_from_slice(&dot_panel(x, panel(p)));
+                let w = &w[cols.start * k..];
+                if streams::count() == 1 {
+                    panels_side_by_side::<1>(x, w, k, whole, block);
+                } else {
+                    panels_side_by_side::<STREAMS>(x, w, k, whole, block);
                 }
                 for j in cols.start + COLS * whole..cols.end {
                     block[j - cols.start] = dot(x, &w[j * k..(j + 1) * k]);
@@ -404,6 +397,28 @@ fn matmul_nk(
     for r0 in (0..rows).step_by(block_rows) {
         let r1 = (r0 + block_rows).min(rows);
         columns_nk(x, w, k, &cols, r0..r1, block, width, panels, &mut buffer);
+    }
+}
+
+/// The sums of the first `whole` panels of `w` (four rows of `k` each) with `x`, `S` panels a
+/// `S`th of them apart at once, into `block`.
+fn panels_side_by_side<const S: usize>(
+    x: &[f32],
+    w: &[f32],
+    k: usize,
+    whole: usize,
+    block: &mut [f32],
+) {
+    let panel = |p: usize| &w[COLS * p * k..COLS * (p + 1) * k];
+    let (groups, rest) = side_by_side::<S>(whole);
+    for ps in groups {
+        let sums = dot_panels(x, ps.map(panel));
+        for (p, sums) in ps.into_iter().zip(sums) {
+            block[COLS * p..COLS * p + COLS].copy_from_slice(&sums);
+        }
+    }
+    for p in rest {
+        block[COLS * p..COLS * p + COLS].copy_from_slice(&dot_panel(x, panel(p)));
     }
 }
 
@@ -572,6 +587,24 @@ mod tests {
                 assert_eq!(bits(&two), bits(of_pair), "{layout:?} rows {}", 2 * pair);
             }
         }
+    }
+
+    /// A decoding step's panels read one at a time or four side by side (`streams`) give the
+    /// same bits, with panels left over after the groups of four.
+    #[test]
+    fn panels_one_at_a_time_or_side_by_side_give_the_same_sums() {
+        let mut next = super::super::testing::uniform(0x6a09_e667_f3bc_c908);
+        let (k, n) = (72, 4 * 23);
+        let (_, _, panels) = weights(k, n, &mut next);
+        let x: Vec<f32> = (0..k).map(|_| next()).collect();
+        let mut one = vec![0f32; n];
+        panels_side_by_side::<1>(&x, &panels, k, n / COLS, &mut one);
+        let mut four = vec![0f32; n];
+        panels_side_by_side::<STREAMS>(&x, &panels, k, n / COLS, &mut four);
+        assert_eq!(bits(&one), bits(&four));
+        let mut all = vec![0f32; n];
+        matmul(&x, 1, W::F32(&panels), k, n, Layout::Panels, 1, &mut all);
+        assert_eq!(bits(&all), bits(&four));
     }
 
     /// Split across 2, 3 and 5 parts (threads under the `threads` feature), the output is

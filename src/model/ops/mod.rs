@@ -24,6 +24,7 @@ pub mod matmul_runtime;
 pub mod matmul_weights;
 pub mod nan_guard;
 pub mod parallel;
+pub(crate) mod streams;
 pub mod tract_builtins;
 
 use std::sync::OnceLock;
