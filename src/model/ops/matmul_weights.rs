@@ -366,11 +366,11 @@ fn matmul_nk(
                 // a token, 42.4-45.2 with two, 45.2-47.5 one panel at a time (each run of
                 // panels read into the cache first).
                 let whole = cols.len() / COLS;
-                let w = &w[cols.start * k..];
+                let from = &w[cols.start * k..];
                 if streams::count() == 1 {
-                    panels_side_by_side::<1>(x, w, k, whole, block);
+                    panels_side_by_side::<1>(x, from, k, whole, block);
                 } else {
-                    panels_side_by_side::<STREAMS>(x, w, k, whole, block);
+                    panels_side_by_side::<STREAMS>(x, from, k, whole, block);
                 }
                 for j in cols.start + COLS * whole..cols.end {
                     block[j - cols.start] = dot(x, &w[j * k..(j + 1) * k]);

@@ -1,5 +1,5 @@
 //! How many parts of a weight the decoding kernels read side by side: four ([`STREAMS`]), or
-//! one on machines where one stream decodes faster, as timed on the process's first decoding
+//! one on machines where one stream decodes faster, as timed on each decoder's first decoding
 //! steps.
 //!
 //! Four sequential reads at once keep more of memory's lines in flight than one, which the
