@@ -87,9 +87,8 @@ impl Choice {
 struct Tuner {
     /// Steps handed out so far.
     steps: usize,
-    /// Timed steps of four streams, then of one (ms).
-    times: [[f64; SAMPLES]; 2],
-    counts: [usize; 2],
+    /// Timed steps of four streams, then of one (ms), at most `SAMPLES` each.
+    times: [Vec<f64>; 2],
     chosen: Option<usize>,
 }
 
@@ -119,12 +118,11 @@ impl Tuner {
         if self.steps <= 2 * WARM_UP {
             return;
         }
-        let i = usize::from(count == 1);
-        if self.counts[i] < SAMPLES {
-            self.times[i][self.counts[i]] = elapsed;
-            self.counts[i] += 1;
+        let times = &mut self.times[usize::from(count == 1)];
+        if times.len() < SAMPLES {
+            times.push(elapsed);
         }
-        let [four, one] = [0, 1].map(|i| &self.times[i][..self.counts[i]]);
+        let [four, one] = &self.times;
         if four.len() >= 2 && one.len() >= 2 {
             let fastest_one = one.iter().copied().fold(f64::INFINITY, f64::min);
             let slowest_four = four.iter().copied().fold(0.0, f64::max);
