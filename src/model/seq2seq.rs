@@ -17,6 +17,7 @@ use crate::decoder::{DecoderState, Logits};
 use crate::error::{backend, Error, Result};
 use crate::model::onnx::{specialize_bool_input, Decoded};
 use crate::model::ops::parallel::{self, Step};
+use crate::model::ops::streams;
 use crate::model::session::Session;
 use crate::model::signature::{Dtype, Signature, ONNX_INT32};
 use crate::model::tract_decoder::{
@@ -105,6 +106,9 @@ pub struct Seq2Seq {
     plans: Mutex<HashMap<(usize, u8), Arc<Plan>>>,
     encoder_plans: Mutex<HashMap<usize, Arc<EncoderPlan>>>,
     vocab: usize,
+    /// How many parts of a weight the decoding steps of one row read side by side, chosen on
+    /// the first of them (`streams`), as a decoder-only model's.
+    streams: streams::Choice,
 }
 
 /// The ONNX graphs of an encoder-decoder model, handed over: each is dropped once parsed.
@@ -172,6 +176,7 @@ impl Seq2Seq {
             with_past,
             plans: Mutex::new(HashMap::new()),
             encoder_plans: Mutex::new(HashMap::new()),
+            streams: streams::Choice::default(),
             vocab,
         };
         // Compile the plans of one row now: a graph tract cannot run fails at load time.
@@ -621,8 +626,13 @@ impl DecoderState for Seq2SeqState {
         } else {
             Step::Other
         };
-        let outputs =
-            parallel::team(kind, || self.session.run(&plan.runnable, inputs)).map_err(backend)?;
+        let step = || parallel::team(kind, || self.session.run(&plan.runnable, inputs));
+        let outputs = if kind == Step::Decoding && rows == 1 {
+            self.model.streams.decoding_step(step)
+        } else {
+            step()
+        }
+        .map_err(backend)?;
         for (l, &(k, v)) in plan.presents.iter().enumerate() {
             self.cache[l] = Some((
                 outputs[k].clone().into_arc_tensor(),
