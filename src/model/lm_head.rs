@@ -25,7 +25,7 @@ use crate::decoder::Head;
 use crate::error::{backend, Error, Result};
 use crate::model::ops::linalg::side_by_side;
 use crate::model::ops::matmul_weights::{one_output, product, Layout, Weights};
-use crate::model::ops::parallel;
+use crate::model::ops::{parallel, streams};
 
 /// A `MatMulWeights` at the end of a decoder, with its weight.
 #[derive(Debug)]
@@ -74,12 +74,19 @@ impl LmHead {
     /// With the `threads` feature the rows are split across the threads.
     pub fn bounds(&self, hidden: &[f32], out: &mut [f32]) -> Result<bool> {
         let parts = parallel::parts_for(self.op.k * self.op.n);
-        self.bounds_in_parts(hidden, out, parts)
+        self.bounds_in_parts(hidden, out, parts, streams::head_count())
     }
 
     /// [`LmHead::bounds`] with the int8 copy (when this call makes it) and the bounds computed
-    /// in `parts` ranges of rows (`parallel`): the same values for any `parts`.
-    pub fn bounds_in_parts(&self, hidden: &[f32], out: &mut [f32], parts: usize) -> Result<bool> {
+    /// in `parts` ranges of rows (`parallel`), each range's panels read four side by side
+    /// (`streams` 4) or one at a time (1): the same values for any `parts` and `streams`.
+    pub fn bounds_in_parts(
+        &self,
+        hidden: &[f32],
+        out: &mut [f32],
+        parts: usize,
+        streams: usize,
+    ) -> Result<bool> {
         let (k, n) = (self.op.k, self.op.n);
         if hidden.len() != k || out.len() != n {
             return Err(Error::Backend(format!(
@@ -105,7 +112,9 @@ impl LmHead {
             )
         };
         // Ranges of a multiple of four rows, so that each four lie in one block of the copy.
-        // With panels, four panels a quarter of the range apart at once (`dot_i8x4_streams`).
+        // With panels, four panels a quarter of the range apart at once (`dot_i8x4_streams`),
+        // or one at a time where that is faster on this machine (`streams`).
+        let four_at_once = panels(k) && streams > 1;
         parallel::by_columns(out, 1, n, 4, parts, |cols, piece| {
             let rows_of = |c: usize| {
                 let first = cols.start + 4 * c;
@@ -119,7 +128,7 @@ impl LmHead {
                 }
             };
             // Whole panels four at a time; then the rest, a last partial four included.
-            let (groups, rest) = side_by_side::<4>(if panels(k) { len / 4 } else { 0 });
+            let (groups, rest) = side_by_side::<4>(if four_at_once { len / 4 } else { 0 });
             for four in groups {
                 let sums = dot_i8x4_streams(&x.values, four.map(rows_of));
                 for (c, sums) in four.into_iter().zip(sums) {

@@ -150,18 +150,25 @@ pub fn check_bounds() {
                 }
             }
             // The copy made and the bounds computed in parts (in parallel in the threads
-            // build): the same bits.
-            for parts in 2..5 {
+            // build), each part's panels read four side by side or one at a time: the same
+            // bits.
+            for (parts, streams) in [(1, 1), (2, 4), (2, 1), (3, 4), (4, 4), (4, 1)] {
                 let split = self::head(&w, k, n, layout, f16_weights, dt);
                 for x in &xs {
                     let (mut one, mut parted) = (vec![0f32; n], vec![0f32; n]);
-                    assert!(head.bounds_in_parts(x, &mut one, 1).unwrap(), "{case}");
+                    assert!(head.bounds_in_parts(x, &mut one, 1, 4).unwrap(), "{case}");
                     assert!(
-                        split.bounds_in_parts(x, &mut parted, parts).unwrap(),
+                        split
+                            .bounds_in_parts(x, &mut parted, parts, streams)
+                            .unwrap(),
                         "{case}"
                     );
                     let bits = |v: &[f32]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&one), bits(&parted), "{case}: {parts} parts");
+                    assert_eq!(
+                        bits(&one),
+                        bits(&parted),
+                        "{case}: {parts} parts, {streams} streams"
+                    );
                 }
             }
             let mut out = vec![0f32; n];

@@ -1,6 +1,6 @@
 //! How many parts of a weight the decoding kernels read side by side: four ([`STREAMS`]), or
 //! one on machines where one stream decodes faster, as timed on each decoder's first decoding
-//! steps.
+//! steps; chosen apart for the layers' products and for the `lm_head`'s bound pass.
 //!
 //! Four sequential reads at once keep more of memory's lines in flight than one, which the
 //! kernels with much arithmetic per byte need where memory is slow: on a 2-core Intel Xeon
@@ -9,68 +9,108 @@
 //! side by side need four sets of sums, more than the sixteen simd registers of x86-64 hold
 //! (the f32 panel kernel keeps 32, the int8 block kernel 32): on a 2-core AMD EPYC (Zen 4,
 //! 22-31 GB/s) one stream decoded fp32 SmolLM2 in 24.4-25.7 ms a token against 27.2-30.1
-//! and int8 in 10.8-11.5 against 13.0-14.5 (Node 20, alternating processes). The count
-//! changes where the kernels read, not what they add: each row's or column's sum is added in
-//! the same order either way, so tokens and scores do not depend on it.
+//! and int8 in 10.8-11.5 against 13.0-14.5 (Node 20, alternating processes). On the same
+//! EPYC the `lm_head`'s bound pass over its int8 copy (`lm_head`) was faster as one stream
+//! for every file, fp16's included, whose layers were faster with four: a package whose
+//! pass read one stream decoded q4 in 12.6-13.1 ms a token against 14.1-14.5, int8 in
+//! 10.1-10.8 against 11.0-11.6 and fp16 in 17.6-18.1 against 18.5-19.9. The counts change
+//! where the kernels read, not what they add: each row's or column's sum is added in the same
+//! order either way, so tokens and scores do not depend on them.
 //!
-//! Each decoder chooses for itself (fp16 SmolLM2 decoded faster with four streams on the same
-//! EPYC: its kernel keeps eight sums): its first decoding steps of one row alternate between
-//! the two counts; once each has [`SAMPLES`] timed steps (after [`WARM_UP`] steps each, while
-//! the engine compiles the kernels' optimised code), one is kept where its median step is
-//! [`MARGIN`] faster than four's, and four otherwise, for the decoder's life. Where no clock
-//! advances during a step (a Cloudflare Worker's clock stands still between its I/O), four is
-//! kept.
+//! Each decoder chooses for itself among [`CANDIDATES`]: its first decoding steps of one row
+//! take them in turn; once each has [`SAMPLES`] timed steps (after [`WARM_UP`] rounds, while
+//! the engine compiles the kernels' optimised code), the one with the fastest median step is
+//! kept where it is [`MARGIN`] faster than four streams for both, and four for both
+//! otherwise, for the decoder's life. Where no clock advances during a step (a Cloudflare
+//! Worker's clock stands still between its I/O), four is kept.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use super::linalg::STREAMS;
 
-/// Steps of each count run before the timed ones.
-const WARM_UP: usize = 2;
-/// Timed steps of each count.
-const SAMPLES: usize = 5;
-/// One stream is kept where its median step takes less than this share of four's.
-const MARGIN: f64 = 0.95;
-/// After two timed steps of each, four is kept at once where one stream's fastest step takes
-/// more than this share of four's slowest (on the Xeon above, twice as long).
-const CLEARLY_SLOWER: f64 = 1.2;
-
-/// The count the decoding kernels read during the step that runs now; [`STREAMS`] outside
-/// [`Choice::decoding_step`] (prompts, batches, encoders: their kernels read no weight side
-/// by side). One for the process, as the parts of a step's products run on the threads of
-/// its team; steps of two decoders on two threads at once (natively) share it, which can
-/// slow one of them, never change its sums.
-static COUNT: AtomicUsize = AtomicUsize::new(STREAMS);
-
-/// Parts of a weight the decoding kernels read side by side now: [`STREAMS`] or 1.
-pub(crate) fn count() -> usize {
-    COUNT.load(Ordering::Relaxed)
+/// Parts of a weight read side by side by the layers' products (f16 rows, f32 panels, int8
+/// blocks) and by the `lm_head`'s bound pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reads {
+    pub layers: usize,
+    pub head: usize,
 }
 
-/// A decoder's count, chosen on its first decoding steps (module docs).
+/// What a decoder's steps may read with, four streams for both first (kept unless another is
+/// clearly faster). One stream for the layers and four for the `lm_head` is left out: where
+/// the layers' kernels were faster with one, so was the bound pass.
+const CANDIDATES: [Reads; 3] = [
+    Reads {
+        layers: STREAMS,
+        head: STREAMS,
+    },
+    Reads { layers: 1, head: 1 },
+    Reads {
+        layers: STREAMS,
+        head: 1,
+    },
+];
+
+/// Rounds of the candidates run before the timed ones.
+const WARM_UP: usize = 2;
+/// Timed steps of each candidate.
+const SAMPLES: usize = 5;
+/// A candidate is kept where its median step takes less than this share of four streams'.
+const MARGIN: f64 = 0.95;
+/// After two timed steps of each, a candidate is dropped where its fastest step takes more
+/// than this share of four streams' slowest (on the Xeon above, twice as long).
+const CLEARLY_SLOWER: f64 = 1.2;
+
+/// The counts the decoding kernels read with during the step that runs now; [`STREAMS`]
+/// outside [`Choice::decoding_step`] (prompts, batches, encoders: their kernels read no weight
+/// side by side). One for the process, as the parts of a step's products run on the threads
+/// of its team; steps of two decoders on two threads at once (natively) share them, which can
+/// slow one of them, never change its sums.
+static LAYERS: AtomicUsize = AtomicUsize::new(STREAMS);
+static HEAD: AtomicUsize = AtomicUsize::new(STREAMS);
+
+/// Parts of a weight the layers' decoding kernels read side by side now: [`STREAMS`] or 1.
+pub(crate) fn count() -> usize {
+    LAYERS.load(Ordering::Relaxed)
+}
+
+/// Parts of its int8 copy the `lm_head`'s bound pass reads side by side now.
+pub(crate) fn head_count() -> usize {
+    HEAD.load(Ordering::Relaxed)
+}
+
+fn set(reads: Reads) {
+    LAYERS.store(reads.layers, Ordering::Relaxed);
+    HEAD.store(reads.head, Ordering::Relaxed);
+}
+
+/// A decoder's counts, chosen on its first decoding steps (module docs).
 #[derive(Debug, Default)]
 pub(crate) struct Choice(Mutex<Tuner>);
 
 impl Choice {
-    /// Runs a decoding step of one row with this decoder's count, timed while it is being
+    /// Runs a decoding step of one row with this decoder's counts, timed while they are being
     /// chosen.
     pub(crate) fn decoding_step<R>(&self, step: impl FnOnce() -> R) -> R {
-        let (count, timed) = {
+        let (reads, timed) = {
             let mut tuner = self.lock();
             match tuner.chosen {
-                Some(count) => (count, false),
-                None => (tuner.next(), true),
+                Some(reads) => (reads, None),
+                None => {
+                    let c = tuner.next();
+                    (CANDIDATES[c], Some(c))
+                }
             }
         };
-        COUNT.store(count, Ordering::Relaxed);
-        let start = if timed { now_ms() } else { None };
+        set(reads);
+        let start = if timed.is_some() { now_ms() } else { None };
         let result = step();
-        if timed {
+        if let Some(c) = timed {
             let elapsed = start.zip(now_ms()).map(|(a, b)| b - a);
-            self.lock().record(count, elapsed);
+            self.lock().record(c, elapsed);
         }
-        COUNT.store(STREAMS, Ordering::Relaxed);
+        set(CANDIDATES[0]);
         result
     }
 
@@ -82,66 +122,88 @@ impl Choice {
     }
 }
 
-/// The choice between four streams and one, from timed steps of each.
+const N: usize = CANDIDATES.len();
+
+/// The choice among [`CANDIDATES`], from timed steps of each.
 #[derive(Debug, Default)]
 struct Tuner {
     /// Steps handed out so far.
     steps: usize,
-    /// Timed steps of four streams, then of one (ms), at most `SAMPLES` each.
-    times: [Vec<f64>; 2],
-    chosen: Option<usize>,
+    /// Timed steps of each candidate (ms), at most `SAMPLES` each.
+    times: [Vec<f64>; N],
+    /// Candidates no longer tried (clearly slower).
+    dropped: [bool; N],
+    chosen: Option<Reads>,
 }
 
 impl Tuner {
-    /// The count for the next step while none is chosen: four and one in turn.
+    /// The candidate for the next step while none is chosen: each in turn for the warm-up
+    /// rounds, then the one left in with the fewest timed steps.
     fn next(&mut self) -> usize {
-        self.steps += 1;
-        if self.steps % 2 == 1 {
-            STREAMS
+        let c = if self.steps < WARM_UP * N {
+            self.steps % N
         } else {
-            1
-        }
+            (0..N)
+                .filter(|&c| !self.dropped[c])
+                .min_by_key(|&c| self.times[c].len())
+                .unwrap_or(0)
+        };
+        self.steps += 1;
+        c
     }
 
-    /// Records a step of `count` streams that took `elapsed` ms (`None`: no clock), and
-    /// chooses once the steps say enough.
-    fn record(&mut self, count: usize, elapsed: Option<f64>) {
+    /// Records a step of candidate `c` that took `elapsed` ms (`None`: no clock), and chooses
+    /// once the steps say enough.
+    fn record(&mut self, c: usize, elapsed: Option<f64>) {
         if self.chosen.is_some() {
             return;
         }
         let elapsed = match elapsed {
             Some(ms) if ms > 0.0 && ms.is_finite() => ms,
             // No clock, or one that stood still through the step.
-            _ => return self.chosen = Some(STREAMS),
+            _ => return self.chosen = Some(CANDIDATES[0]),
         };
-        // Steps are handed out in pairs: the first 2 WARM_UP are not timed.
-        if self.steps <= 2 * WARM_UP {
+        if self.steps <= WARM_UP * N {
             return;
         }
-        let times = &mut self.times[usize::from(count == 1)];
-        if times.len() < SAMPLES {
-            times.push(elapsed);
+        if self.times[c].len() < SAMPLES {
+            self.times[c].push(elapsed);
         }
-        let [four, one] = &self.times;
-        if four.len() >= 2 && one.len() >= 2 {
-            let fastest_one = one.iter().copied().fold(f64::INFINITY, f64::min);
+        let four = &self.times[0];
+        if four.len() >= 2 {
             let slowest_four = four.iter().copied().fold(0.0, f64::max);
-            if fastest_one > CLEARLY_SLOWER * slowest_four {
-                self.chosen = Some(STREAMS);
-                return;
+            for d in 1..N {
+                let times = &self.times[d];
+                let fastest = times.iter().copied().fold(f64::INFINITY, f64::min);
+                if times.len() >= 2 && fastest > CLEARLY_SLOWER * slowest_four {
+                    self.dropped[d] = true;
+                }
             }
         }
-        if four.len() == SAMPLES && one.len() == SAMPLES {
-            let faster = median(one) < MARGIN * median(four);
-            self.chosen = Some(if faster { 1 } else { STREAMS });
+        let left: Vec<usize> = (0..N).filter(|&d| !self.dropped[d]).collect();
+        if left == [0] {
+            self.chosen = Some(CANDIDATES[0]);
+        } else if left.iter().all(|&d| self.times[d].len() == SAMPLES) {
+            let medians = self.times.each_ref().map(|t| median(t));
+            let best = left
+                .iter()
+                .copied()
+                .min_by(|&a, &b| medians[a].total_cmp(&medians[b]))
+                .unwrap_or(0);
+            let faster = medians[best] < MARGIN * medians[0];
+            self.chosen = Some(CANDIDATES[if faster { best } else { 0 }]);
         }
     }
 }
 
+/// The median of `times`; infinite for none.
 fn median(times: &[f64]) -> f64 {
     let mut sorted = times.to_vec();
     sorted.sort_by(f64::total_cmp);
-    sorted[sorted.len() / 2]
+    sorted
+        .get(sorted.len() / 2)
+        .copied()
+        .unwrap_or(f64::INFINITY)
 }
 
 /// Milliseconds from some fixed moment: `performance.now()` in wasm (`None` where the global
@@ -167,90 +229,123 @@ fn now_ms() -> Option<f64> {
 mod tests {
     use super::*;
 
-    /// Feeds `tuner` steps whose times `time(count)` gives until it chooses; returns the
+    const FOUR: Reads = CANDIDATES[0];
+
+    /// Feeds a tuner steps whose times `time(reads)` gives until it chooses; returns the
     /// choice and the steps it took.
-    fn run(mut time: impl FnMut(usize) -> Option<f64>) -> (usize, usize) {
+    fn run(mut time: impl FnMut(Reads) -> Option<f64>) -> (Reads, usize) {
         let mut tuner = Tuner::default();
         while tuner.chosen.is_none() {
-            let count = tuner.next();
-            tuner.record(count, time(count));
+            let c = tuner.next();
+            tuner.record(c, time(CANDIDATES[c]));
             assert!(tuner.steps < 100, "no choice after 100 steps: {tuner:?}");
         }
         (tuner.chosen.unwrap(), tuner.steps)
     }
 
+    /// A step's time: 10 ms with four streams for both, plus `layers` ms where the layers
+    /// read one, plus `head` ms where the `lm_head` reads one.
+    fn step(layers: f64, head: f64) -> impl FnMut(Reads) -> Option<f64> {
+        move |r| {
+            let one = |count: usize, ms: f64| if count == 1 { ms } else { 0.0 };
+            Some(10.0 + one(r.layers, layers) + one(r.head, head))
+        }
+    }
+
     #[test]
     fn keeps_one_stream_where_it_is_faster() {
-        let (count, steps) = run(|c| Some(if c == 1 { 10.0 } else { 12.0 }));
-        assert_eq!((count, steps), (1, 2 * (WARM_UP + SAMPLES)));
+        let (reads, steps) = run(step(-1.0, -0.5));
+        assert_eq!(reads, Reads { layers: 1, head: 1 });
+        assert_eq!(steps, N * (WARM_UP + SAMPLES));
+    }
+
+    #[test]
+    fn keeps_one_stream_for_the_head_alone_where_only_it_is_faster() {
+        assert_eq!(run(step(1.0, -1.0)).0, Reads { layers: 4, head: 1 });
     }
 
     #[test]
     fn keeps_four_where_one_is_not_clearly_faster() {
-        assert_eq!(run(|c| Some(if c == 1 { 9.8 } else { 10.0 })).0, STREAMS);
-        assert_eq!(run(|c| Some(if c == 1 { 10.5 } else { 10.0 })).0, STREAMS);
+        assert_eq!(run(step(-0.2, -0.2)).0, FOUR);
+        assert_eq!(run(step(0.5, 0.5)).0, FOUR);
     }
 
     #[test]
     fn stops_early_where_one_is_clearly_slower() {
-        let (count, steps) = run(|c| Some(if c == 1 { 20.0 } else { 10.0 }));
-        assert_eq!((count, steps), (STREAMS, 2 * (WARM_UP + 2)));
+        let (reads, steps) = run(step(10.0, 5.0));
+        assert_eq!((reads, steps), (FOUR, N * (WARM_UP + 2)));
+    }
+
+    /// A candidate clearly slower is dropped; the others go on to their samples.
+    #[test]
+    fn drops_the_clearly_slower_and_goes_on() {
+        let mut tried = [0; N];
+        let (reads, steps) = run(|r| {
+            tried[CANDIDATES.iter().position(|&c| c == r).unwrap()] += 1;
+            step(10.0, -1.0)(r)
+        });
+        assert_eq!(reads, Reads { layers: 4, head: 1 });
+        assert_eq!(tried, [WARM_UP + SAMPLES, WARM_UP + 2, WARM_UP + SAMPLES]);
+        assert_eq!(steps, tried.iter().sum::<usize>());
     }
 
     /// The first steps (the engine's code still compiling) do not count: one stream's warm-up
     /// steps were slow, its timed ones fast.
     #[test]
     fn warm_up_steps_are_not_timed() {
-        let mut step = 0;
-        let (count, _) = run(|c| {
-            step += 1;
-            Some(if c == 4 || step <= 2 * WARM_UP {
+        let mut steps = 0;
+        let (reads, _) = run(|r| {
+            steps += 1;
+            Some(if r == FOUR || steps <= N * WARM_UP {
                 50.0
             } else {
                 10.0
             })
         });
-        assert_eq!(count, 1);
+        assert_ne!(reads, FOUR);
     }
 
     /// The medians decide, not one odd step.
     #[test]
     fn an_outlier_does_not_decide() {
         let mut ones = 0;
-        let (count, _) = run(|c| {
-            if c == 1 {
+        let (reads, _) = run(|r| {
+            if r.layers == 1 {
                 ones += 1;
             }
-            Some(match c {
+            Some(match r.layers {
                 1 if ones == WARM_UP + 3 => 40.0,
                 1 => 10.0,
                 _ => 12.0,
             })
         });
-        assert_eq!(count, 1);
+        assert_eq!(reads, Reads { layers: 1, head: 1 });
     }
 
     #[test]
     fn keeps_four_without_a_clock() {
-        assert_eq!(run(|_| None), (STREAMS, 1));
+        assert_eq!(run(|_| None), (FOUR, 1));
         // A clock that stands still through a step.
-        assert_eq!(run(|_| Some(0.0)), (STREAMS, 1));
+        assert_eq!(run(|_| Some(0.0)), (FOUR, 1));
     }
 
-    /// A decoder's steps run with its count; others with four.
+    /// A decoder's steps run with its counts; others with four.
     #[test]
-    fn steps_run_with_the_chosen_count() {
+    fn steps_run_with_the_chosen_counts() {
+        let counts = || (count(), head_count());
         let choice = Choice::default();
-        choice.lock().chosen = Some(1);
-        assert_eq!(choice.decoding_step(count), 1);
+        choice.lock().chosen = Some(CANDIDATES[2]);
+        assert_eq!(choice.decoding_step(counts), (STREAMS, 1));
         assert_eq!(choice.lock().steps, 0);
-        assert_eq!(count(), STREAMS);
-        // While it is being chosen, four and one in turn (steps that take time on the clock).
+        assert_eq!(counts(), (STREAMS, STREAMS));
+        // While they are being chosen, each candidate in turn (steps that take time on the
+        // clock).
         let fresh = Choice::default();
         let step = || {
             std::thread::sleep(std::time::Duration::from_millis(1));
-            count()
+            counts()
         };
-        assert_eq!([0, 1].map(|_| fresh.decoding_step(step)), [STREAMS, 1]);
+        let expected = CANDIDATES.map(|r| (r.layers, r.head));
+        assert_eq!([0, 1, 2].map(|_| fresh.decoding_step(step)), expected);
     }
 }
