@@ -282,12 +282,12 @@ fn scaled_input(x: &[f32]) -> Option<Vec<f32>> {
 /// Parts of a weight that a decoding kernel reads side by side (f16 rows here, f32 panels in
 /// `matmul_weights`, int8 blocks in `matmul_integer`, the `lm_head`'s int8 panels; the 4-bit
 /// kernel takes four too): `STREAMS` sequential reads at once keep more of memory's lines in
-/// flight than one. In a wasm benchmark of SmolLM2's f16 layers (Node 20, 2 cores), 31.5 ms for one
-/// row at a time (each run of rows read into the cache first), 22.7 for two streams, 18.1 for
-/// four, 17.2 for eight; four adjacent rows, one stream, took 38.7. In the package, eight f16
-/// rows decoded no faster than four, and two f32 panels or two int8 blocks gained half or none
-/// of what four do. Where memory is fast, one stream can decode faster: each decoder chooses
-/// (`streams`).
+/// flight than one. In a wasm benchmark of SmolLM2's f16 layers (Node 20, 2 cores), 31.5 ms for
+/// one row at a time (each run of rows read into the cache first), 22.7 for two streams, 18.1
+/// for four, 17.2 for eight; four adjacent rows, one stream, took 38.7. In the package, eight
+/// f16 rows decoded no faster than four, and two f32 panels or two int8 blocks gained half or
+/// none of what four do. Where memory is fast, one stream can decode faster: each decoder
+/// chooses (`streams`).
 pub(crate) const STREAMS: usize = 4;
 
 /// `0..count` for a kernel that reads `N` parts side by side: the groups `[i, i + q, ..,
