@@ -666,7 +666,8 @@ fn cut_lm_head(
 /// group's keys and values where they lie (`matmul_runtime::grouped_kv`), the scales of
 /// dynamically quantized products applied by the products (`matmul_integer::fuse_scales`), and
 /// each `MatMul -> Softmax -> MatMul` attention computed a block of query rows at a time
-/// (`attention::fuse`).
+/// (`attention::fuse`), and the axes' reshapes and moves done on concrete shapes
+/// (`ops::axes`).
 ///
 /// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
 /// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal
@@ -685,6 +686,7 @@ pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
     crate::model::ops::matmul_runtime::grouped_kv(&mut typed)?;
     crate::model::ops::matmul_integer::fuse_scales(&mut typed)?;
     crate::model::ops::attention::fuse(&mut typed)?;
+    crate::model::ops::axes::replace(&mut typed)?;
     Ok(typed)
 }
 

@@ -9,9 +9,11 @@
 //! package). `tract_builtins.rs` checks them against onnxruntime like the ops written here.
 //! `conv1d` takes the ONNX `Conv`s of one dimension with float32 weights (Whisper's encoder)
 //! from tract. `binary` replaces tract's generic float arithmetic in compiled plans and
-//! `nan_guard` the softmaxes' NaN guards; `linalg` and `parallel` are the kernels' shared parts.
+//! `nan_guard` the softmaxes' NaN guards, `axes` tract's reshapes and moves of axes; `linalg`,
+//! `parallel` and `streams` are the kernels' shared parts.
 
 pub mod attention;
+pub mod axes;
 pub mod binary;
 pub mod conv1d;
 pub mod dynamic_quantize;
