@@ -50,20 +50,18 @@ impl EvalOp for Axes {
 
     fn eval(&self, ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
         let mut t = args_1!(inputs).into_tensor();
-        let shape = match &self.0 {
-            AxisOp::Add(ix) if *ix <= t.rank() => Some(t.insert_axis(*ix).map(|_| ())),
-            AxisOp::Rm(ix) if *ix < t.rank() && t.shape()[*ix] == 1 => {
-                Some(t.remove_axis(*ix).map(|_| ()))
-            }
+        let done = match &self.0 {
+            AxisOp::Add(ix) if *ix <= t.rank() => Some(t.insert_axis(*ix)),
+            AxisOp::Rm(ix) if *ix < t.rank() && t.shape()[*ix] == 1 => Some(t.remove_axis(*ix)),
             AxisOp::Move(from, to) => moved_shape(t.shape(), *from, *to).map(|s| t.set_shape(&s)),
             AxisOp::Reshape(at, from, to) => {
                 reshaped(t.shape(), *at, from.len(), to).map(|s| t.set_shape(&s))
             }
             _ => None,
         };
-        match shape {
-            Some(done) => {
-                done?;
+        match done {
+            Some(result) => {
+                result?;
                 Ok(tvec!(t.into_tvalue()))
             }
             // Anything else as tract does it.
