@@ -661,7 +661,8 @@ fn cut_lm_head(
 /// The graph typed with one analysis (`typing.rs`), tract's declutter and codegen passes,
 /// without `FoldUniformMask` (run by `optimizer.rs`, which applies their patches faster than
 /// tract's own session), then the generic float arithmetic tract leaves per element replaced
-/// by vectorized ops (`ops::binary`), the softmaxes' NaN guards done in place
+/// by vectorized ops (`ops::binary`), the rotary embeddings' seven nodes each one op
+/// (`ops::rotary`), the softmaxes' NaN guards done in place
 /// (`ops::nan_guard`), the attention products of grouped-query attention rewired to read each
 /// group's keys and values where they lie (`matmul_runtime::grouped_kv`), the scales of
 /// dynamically quantized products applied by the products (`matmul_integer::fuse_scales`), and
@@ -682,6 +683,7 @@ pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
     let mut typed = crate::model::typing::into_typed(model)?;
     crate::model::optimizer::declutter_and_optimize(&mut typed)?;
     crate::model::ops::binary::replace_generic(&mut typed)?;
+    crate::model::ops::rotary::fuse(&mut typed)?;
     crate::model::ops::nan_guard::fuse(&mut typed)?;
     crate::model::ops::matmul_runtime::grouped_kv(&mut typed)?;
     crate::model::ops::matmul_integer::fuse_scales(&mut typed)?;

@@ -11,7 +11,6 @@
 //! pairs of values, so the results are bit-identical to tract's.
 
 use tract_onnx::prelude::*;
-use tract_onnx::tract_core::broadcast::multi_broadcast;
 use tract_onnx::tract_core::internal::*;
 use tract_onnx::tract_core::ops::binary::TypedBinOp;
 use tract_onnx::tract_core::ops::math::{Add, Div, Mul, Sub};
@@ -80,7 +79,10 @@ impl Op for BroadcastArith {
 impl TypedOp for BroadcastArith {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
         ensure!(inputs.len() == 2 && inputs[0].rank() == inputs[1].rank());
-        let shape = multi_broadcast(&[inputs[0].shape.to_tvec(), inputs[1].shape.to_tvec()])?;
+        let shape = tract_onnx::tract_core::broadcast::multi_broadcast(&[
+            inputs[0].shape.to_tvec(),
+            inputs[1].shape.to_tvec(),
+        ])?;
         Ok(tvec!(TypedFact::dt_shape(f32::datum_type(), shape)))
     }
     as_op!();
@@ -91,28 +93,46 @@ impl EvalOp for BroadcastArith {
 
     fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
         let (a, b) = args_2!(inputs);
-        ensure!(
-            a.rank() == b.rank(),
-            "{:?}: ranks {} and {}",
-            self.0,
-            a.rank(),
-            b.rank()
-        );
-        let shape = multi_broadcast(&[a.shape(), b.shape()])?;
+        let shape = broadcast(a.shape(), b.shape()).ok_or_else(|| {
+            format_err!(
+                "{:?}: shapes {:?} and {:?} do not broadcast",
+                self.0,
+                a.shape(),
+                b.shape()
+            )
+        })?;
         let out = match self.0 {
-            Arith::Add => apply(a, &b, &shape, |x, y| x + y)?,
-            Arith::Sub => apply(a, &b, &shape, |x, y| x - y)?,
-            Arith::Mul => apply(a, &b, &shape, |x, y| x * y)?,
-            Arith::Div => apply(a, &b, &shape, |x, y| x / y)?,
+            Arith::Add => apply(a, b, &shape, |x, y| x + y)?,
+            Arith::Sub => apply(a, b, &shape, |x, y| x - y)?,
+            Arith::Mul => apply(a, b, &shape, |x, y| x * y)?,
+            Arith::Div => apply(a, b, &shape, |x, y| x / y)?,
         };
         Ok(tvec!(out.into_tvalue()))
     }
 }
 
-/// `f(a, b)` broadcast to `shape`; written into `a`'s buffer when `a` has that shape.
+/// numpy's broadcast of two shapes of one rank; `None` where they do not broadcast.
+fn broadcast(a: &[usize], b: &[usize]) -> Option<TVec<usize>> {
+    if a.len() != b.len() {
+        return None;
+    }
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| match (x, y) {
+            _ if x == y => Some(x),
+            (1, _) => Some(y),
+            (_, 1) => Some(x),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `f(a, b)` broadcast to `shape`: written into the buffer of an operand of that shape that
+/// nothing else holds, else into a new one. (An operand held elsewhere, such as the residual
+/// stream that a later add reads again, would be copied by `into_tensor` first: a pass more.)
 fn apply(
     a: TValue,
-    b: &TValue,
+    b: TValue,
     shape: &[usize],
     f: impl Fn(f32, f32) -> f32,
 ) -> TractResult<Tensor> {
@@ -120,31 +140,21 @@ fn apply(
         return Tensor::zero::<f32>(shape);
     }
     let runs = Runs::new(shape, a.shape(), b.shape());
-    let bs = b.try_as_plain_ram()?;
-    let bs = bs.as_slice::<f32>()?;
-    if a.shape() == shape {
-        let mut c = a.into_tensor();
-        {
-            let mut plain = c.try_as_plain_ram_mut()?;
-            let cs = plain.as_slice_mut::<f32>()?;
-            runs.each(|at_c, _, at_b| {
-                let c = &mut cs[at_c..at_c + runs.len];
-                match runs.b_step {
-                    1 => c
-                        .iter_mut()
-                        .zip(&bs[at_b..at_b + runs.len])
-                        .for_each(|(c, b)| *c = f(*c, *b)),
-                    _ => {
-                        let b = bs[at_b];
-                        c.iter_mut().for_each(|c| *c = f(*c, b));
-                    }
-                }
-            });
-        }
-        return Ok(c);
+    if a.shape() == shape && a.is_exclusive() {
+        let b = b.try_as_plain_ram()?;
+        return in_place(a.into_tensor(), b.as_slice::<f32>()?, &runs, &f);
     }
-    let a = a.try_as_plain_ram()?;
-    let a = a.as_slice::<f32>()?;
+    if b.shape() == shape && b.is_exclusive() {
+        let a = a.try_as_plain_ram()?;
+        return in_place(
+            b.into_tensor(),
+            a.as_slice::<f32>()?,
+            &runs.swapped(),
+            |c, o| f(o, c),
+        );
+    }
+    let (a, b) = (a.try_as_plain_ram()?, b.try_as_plain_ram()?);
+    let (a, bs) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
     // SAFETY: every element is written below (the runs cover the output).
     let mut c = unsafe { Tensor::uninitialized::<f32>(shape)? };
     {
@@ -179,21 +189,49 @@ fn apply(
     Ok(c)
 }
 
+/// `c = f(c, other)` over `runs`, `c` having the output's shape: its values are consecutive
+/// in each run and `other`'s step by `runs.b_step`.
+fn in_place(
+    mut c: Tensor,
+    other: &[f32],
+    runs: &Runs,
+    f: impl Fn(f32, f32) -> f32,
+) -> TractResult<Tensor> {
+    {
+        let mut plain = c.try_as_plain_ram_mut()?;
+        let cs = plain.as_slice_mut::<f32>()?;
+        runs.each(|at_c, _, at_o| {
+            let c = &mut cs[at_c..at_c + runs.len];
+            match runs.b_step {
+                1 => c
+                    .iter_mut()
+                    .zip(&other[at_o..at_o + runs.len])
+                    .for_each(|(c, o)| *c = f(*c, *o)),
+                _ => {
+                    let o = other[at_o];
+                    c.iter_mut().for_each(|c| *c = f(*c, o));
+                }
+            }
+        });
+    }
+    Ok(c)
+}
+
 /// The output of a broadcast as runs of `len` consecutive elements: in each run the elements
 /// of `a` (and of `b`) are consecutive (`step` 1) or one repeated value (`step` 0). The outer
 /// axes are the collapsed axes of the output, with the strides of `a` and `b` along them.
-struct Runs {
-    len: usize,
+pub(super) struct Runs {
+    pub(super) len: usize,
     a_step: usize,
     b_step: usize,
     /// Outer axes, outermost first: (size, stride in a, stride in b).
-    outer: Vec<(usize, usize, usize)>,
+    outer: TVec<(usize, usize, usize)>,
 }
 
 impl Runs {
-    fn new(shape: &[usize], a: &[usize], b: &[usize]) -> Runs {
+    pub(super) fn new(shape: &[usize], a: &[usize], b: &[usize]) -> Runs {
         let strides = |dims: &[usize]| {
-            let mut s = vec![0usize; dims.len()];
+            let mut s: TVec<usize> = tvec![0; dims.len()];
             let mut acc = 1;
             for i in (0..dims.len()).rev() {
                 s[i] = if dims[i] == 1 { 0 } else { acc };
@@ -204,7 +242,7 @@ impl Runs {
         let (sa, sb) = (strides(a), strides(b));
         // Innermost first, axes of size 1 left out, each merged into the one inside it when
         // both operands step through them as through one axis.
-        let mut axes: Vec<(usize, usize, usize)> = vec![];
+        let mut axes: TVec<(usize, usize, usize)> = tvec![];
         for i in (0..shape.len()).rev() {
             if shape[i] == 1 {
                 continue;
@@ -228,10 +266,20 @@ impl Runs {
         }
     }
 
+    /// The runs with `a` and `b` exchanged.
+    fn swapped(&self) -> Runs {
+        Runs {
+            len: self.len,
+            a_step: self.b_step,
+            b_step: self.a_step,
+            outer: self.outer.iter().map(|&(n, a, b)| (n, b, a)).collect(),
+        }
+    }
+
     /// Calls `run(c, a, b)` with the offsets of each run, in the output's order.
-    fn each(&self, mut run: impl FnMut(usize, usize, usize)) {
+    pub(super) fn each(&self, mut run: impl FnMut(usize, usize, usize)) {
         let count: usize = self.outer.iter().map(|(n, _, _)| n).product();
-        let mut index = vec![0usize; self.outer.len()];
+        let mut index: TVec<usize> = tvec![0; self.outer.len()];
         let (mut at_a, mut at_b) = (0usize, 0usize);
         for r in 0..count {
             run(r * self.len, at_a, at_b);
@@ -294,21 +342,31 @@ mod tests {
                     let want = TypedBinOp(mini, None)
                         .eval(&EvalContext::out_of_plan(), inputs.clone())
                         .unwrap();
-                    let got = BroadcastArith(arith)
-                        .eval(&EvalContext::out_of_plan(), inputs)
-                        .unwrap();
-                    assert_eq!(
-                        got[0].shape(),
-                        want[0].shape(),
-                        "{arith:?} {a_shape:?} {b_shape:?}"
-                    );
-                    let (g, w) = (
-                        got[0].try_as_plain_ram().unwrap(),
-                        want[0].try_as_plain_ram().unwrap(),
-                    );
-                    let (g, w) = (g.as_slice::<f32>().unwrap(), w.as_slice::<f32>().unwrap());
-                    let same = g.iter().zip(w).all(|(g, w)| g.to_bits() == w.to_bits());
-                    assert!(same, "{arith:?} {a_shape:?} {b_shape:?}");
+                    let want = want[0].try_as_plain_ram().unwrap();
+                    let want = want.as_slice::<f32>().unwrap();
+                    // Each operand held elsewhere or not: written in place into `a`, into
+                    // `b`, or into a new buffer.
+                    for held in 0..4 {
+                        let inputs = tvec![a.clone().into_tvalue(), b.clone().into_tvalue()];
+                        let _held: Vec<TValue> = (0..2)
+                            .filter(|i| held & (1 << i) != 0)
+                            .map(|i| inputs[i].clone())
+                            .collect();
+                        let got = BroadcastArith(arith)
+                            .eval(&EvalContext::out_of_plan(), inputs)
+                            .unwrap();
+                        let case = format!("{arith:?} {a_shape:?} {b_shape:?} held {held}");
+                        let shape = broadcast(a_shape, b_shape).unwrap();
+                        assert_eq!(got[0].shape(), &shape[..], "{case}");
+                        let got = got[0].try_as_plain_ram().unwrap();
+                        let got = got.as_slice::<f32>().unwrap();
+                        assert_eq!(got.len(), want.len(), "{case}");
+                        let same = got
+                            .iter()
+                            .zip(want)
+                            .all(|(g, w)| g.to_bits() == w.to_bits());
+                        assert!(same, "{case}");
+                    }
                 }
             }
         }

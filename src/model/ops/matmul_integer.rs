@@ -332,8 +332,13 @@ impl EvalOp for IntegerWeightsOp {
                 v => bail!("{label}: a scale has {} values; expected one", v.len()),
             }
         }
-        let scaled: Vec<f32> = out.iter().map(|&v| v as f32 * scale).collect();
-        Ok(tvec!(Tensor::from_shape(&shape, &scaled)?.into_tvalue()))
+        let scaled = super::output_tensor(&shape, |scaled: &mut [f32]| {
+            for (s, &v) in scaled.iter_mut().zip(&out) {
+                *s = v as f32 * scale;
+            }
+            Ok(())
+        })?;
+        Ok(tvec!(scaled.into_tvalue()))
     }
 }
 

@@ -266,20 +266,21 @@ impl EvalOp for NBitsOp {
             );
         }
         let rows = a_data.len() / k;
-        let mut out = vec![0f32; rows * op.n];
-        matmul(op, a_data, rows, b, scales, &zp, &mut out)?;
-        if let Some(bias) = bias {
-            for row in out.chunks_mut(op.n) {
-                for (o, b) in row.iter_mut().zip(bias) {
-                    *o += b;
-                }
-            }
-        }
         let mut shape: TVec<usize> = a.shape().into();
         if let Some(last) = shape.last_mut() {
             *last = op.n;
         }
-        let out = Tensor::from_shape(&shape, &out)?;
+        let out = super::output_tensor(&shape, |out: &mut [f32]| {
+            matmul(op, a_data, rows, b, scales, &zp, out)?;
+            if let Some(bias) = bias {
+                for row in out.chunks_mut(op.n) {
+                    for (o, b) in row.iter_mut().zip(bias) {
+                        *o += b;
+                    }
+                }
+            }
+            Ok(())
+        })?;
         let out = if dt == f32::datum_type() {
             out
         } else {

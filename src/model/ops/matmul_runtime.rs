@@ -170,7 +170,6 @@ impl EvalOp for RuntimeOp {
         let rank = cshape.len();
         let n = bshape[rank - if self.trans_b { 2 } else { 1 }];
         let (m, k) = (ashape[rank - 2], ashape[rank - 1]);
-        let mut out = vec![0f32; cshape.iter().product()];
         let x = a.try_as_plain_ram()?.as_slice::<f32>()?;
         // Element strides of each batch axis in A and B (0 where the axis is broadcast).
         let strides = |shape: &[usize], matrix: usize| {
@@ -204,55 +203,58 @@ impl EvalOp for RuntimeOp {
             .collect::<TractResult<Vec<_>>>()?;
         let batches: usize = cshape[..rank - 2].iter().product();
         let mut transposed = Vec::new();
-        for (batch, c) in out
-            .chunks_exact_mut((m * n).max(1))
-            .enumerate()
-            .take(batches)
-        {
-            let (mut ia, mut ib, mut rest) = (0, [0, 0], batch);
-            for ax in (0..rank - 2).rev() {
-                let i = rest % cshape[ax];
-                rest /= cshape[ax];
-                ia += i * sa[ax];
-                let ix = if head == Some(ax) { i / self.group } else { i };
-                for (ib, (_, _, sb)) in ib.iter_mut().zip(&parts) {
-                    *ib += ix * sb[ax];
+        let out = super::output_tensor(&cshape, |out: &mut [f32]| {
+            for (batch, c) in out
+                .chunks_exact_mut((m * n).max(1))
+                .enumerate()
+                .take(batches)
+            {
+                let (mut ia, mut ib, mut rest) = (0, [0, 0], batch);
+                for ax in (0..rank - 2).rev() {
+                    let i = rest % cshape[ax];
+                    rest /= cshape[ax];
+                    ia += i * sa[ax];
+                    let ix = if head == Some(ax) { i / self.group } else { i };
+                    for (ib, (_, _, sb)) in ib.iter_mut().zip(&parts) {
+                        *ib += ix * sb[ax];
+                    }
+                }
+                let xb = &x[ia..ia + m * k];
+                match parts[..] {
+                    [(w, _, _)] => {
+                        let b = ready(
+                            self.trans_b,
+                            &w[ib[0]..ib[0] + k * n],
+                            m,
+                            k,
+                            n,
+                            &mut transposed,
+                        );
+                        multiply(&b, xb, k, n, c);
+                    }
+                    // One row and B in two parts, read where they lie: with `trans_b` each
+                    // output is one dot product over its part's position; otherwise the row adds
+                    // up the positions of both parts in order, as `axpy_rows` over the whole.
+                    [(past, p, _), (new, s, _)] if self.trans_b => {
+                        let (past, new) = (&past[ib[0]..ib[0] + p * k], &new[ib[1]..ib[1] + s * k]);
+                        let (cp, cs) = c.split_at_mut(p);
+                        key_scores(xb, past, cp);
+                        key_scores(xb, new, cs);
+                    }
+                    [(past, p, _), (new, s, _)] => {
+                        let (past, new) = (&past[ib[0]..ib[0] + p * n], &new[ib[1]..ib[1] + s * n]);
+                        let row = |j: usize| match j.checked_sub(p) {
+                            None => &past[j * n..(j + 1) * n],
+                            Some(j) => &new[j * n..(j + 1) * n],
+                        };
+                        axpy_rows_with(xb, row, c);
+                    }
+                    _ => bail!("MatMulRuntime: B in {} parts", parts.len()),
                 }
             }
-            let xb = &x[ia..ia + m * k];
-            match parts[..] {
-                [(w, _, _)] => {
-                    let b = ready(
-                        self.trans_b,
-                        &w[ib[0]..ib[0] + k * n],
-                        m,
-                        k,
-                        n,
-                        &mut transposed,
-                    );
-                    multiply(&b, xb, k, n, c);
-                }
-                // One row and B in two parts, read where they lie: with `trans_b` each
-                // output is one dot product over its part's position; otherwise the row adds
-                // up the positions of both parts in order, as `axpy_rows` over the whole.
-                [(past, p, _), (new, s, _)] if self.trans_b => {
-                    let (past, new) = (&past[ib[0]..ib[0] + p * k], &new[ib[1]..ib[1] + s * k]);
-                    let (cp, cs) = c.split_at_mut(p);
-                    key_scores(xb, past, cp);
-                    key_scores(xb, new, cs);
-                }
-                [(past, p, _), (new, s, _)] => {
-                    let (past, new) = (&past[ib[0]..ib[0] + p * n], &new[ib[1]..ib[1] + s * n]);
-                    let row = |j: usize| match j.checked_sub(p) {
-                        None => &past[j * n..(j + 1) * n],
-                        Some(j) => &new[j * n..(j + 1) * n],
-                    };
-                    axpy_rows_with(xb, row, c);
-                }
-                _ => bail!("MatMulRuntime: B in {} parts", parts.len()),
-            }
-        }
-        Ok(tvec!(Tensor::from_shape(&cshape, &out)?.into_tvalue()))
+            Ok(())
+        })?;
+        Ok(tvec!(out.into_tvalue()))
     }
 }
 

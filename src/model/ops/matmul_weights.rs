@@ -200,13 +200,11 @@ impl EvalOp for WeightsOp {
             );
         }
         let rows = x.len() / k;
-        let mut out = vec![0f32; rows * n];
-        product(op, x, rows, &inputs[1], &mut out)?;
         let mut shape: TVec<usize> = a.shape().into();
         if let Some(last) = shape.last_mut() {
             *last = n;
         }
-        let out = Tensor::from_shape(&shape, &out)?;
+        let out = super::output_tensor(&shape, |out| product(op, x, rows, &inputs[1], out))?;
         let out = if dt == f32::datum_type() {
             out
         } else {

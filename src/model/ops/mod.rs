@@ -26,6 +26,7 @@ pub mod matmul_runtime;
 pub mod matmul_weights;
 pub mod nan_guard;
 pub mod parallel;
+pub mod rotary;
 pub(crate) mod streams;
 pub mod tract_builtins;
 
@@ -34,7 +35,7 @@ use std::sync::OnceLock;
 use tract_onnx::model::OnnxOpRegister;
 use tract_onnx::pb::NodeProto;
 use tract_onnx::tract_hir::internal::{
-    format_err, InferenceOp, TDim, ToDim, TractResult, TypedFact,
+    format_err, Datum, InferenceOp, TDim, Tensor, ToDim, TractResult, TypedFact,
 };
 
 /// Register the ops of this module (replacing tract-onnx's builders of the same names).
@@ -112,6 +113,24 @@ pub(crate) fn matmul_output_fact(a: &TypedFact, n: usize) -> TypedFact {
         *last = n.to_dim();
     }
     TypedFact::dt_shape(a.datum_type, shape)
+}
+
+/// An op's output: a zeroed tensor of `shape` whose values `fill` writes where they stay.
+/// (`Tensor::from_shape` copies a finished `Vec`: an allocation and a copy more per op; in a
+/// V8 profile of int8 SmolLM2's decoding steps, 0.12 ms of a 9.7 ms step went to that copy.)
+pub(crate) fn output_tensor<T: Datum + Copy>(
+    shape: &[usize],
+    fill: impl FnOnce(&mut [T]) -> TractResult<()>,
+) -> TractResult<Tensor> {
+    // SAFETY: a plain type (`Copy`), every value set before it is read.
+    let mut t = unsafe { Tensor::uninitialized::<T>(shape)? };
+    {
+        let mut plain = t.try_as_plain_ram_mut()?;
+        let values = plain.as_slice_mut::<T>()?;
+        values.fill(T::default());
+        fill(values)?;
+    }
+    Ok(t)
 }
 
 /// tract-onnx with the ops of this module registered.
