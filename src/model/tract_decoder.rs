@@ -623,6 +623,7 @@ fn compile(
         vec![false; typed.outputs.len()]
     };
     let head = cut_lm_head(&mut typed, logits, head_of).map_err(backend)?;
+    crate::model::ops::baked::bake(&mut typed).map_err(backend)?;
     let runnable = typed.into_runnable().map_err(backend)?;
     Ok(Plan {
         runnable,

@@ -14,6 +14,7 @@
 
 pub mod attention;
 pub mod axes;
+pub mod baked;
 pub mod binary;
 pub mod conv1d;
 pub mod dynamic_quantize;
