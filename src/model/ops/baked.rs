@@ -50,13 +50,6 @@ impl Baked {
     fn inputs(&self, inputs: TVec<TValue>) -> TVec<TValue> {
         merged(inputs, self.consts.iter().map(|(s, v)| (*s, v.clone())))
     }
-
-    /// `inner`'s output facts, from the facts of the node's inputs.
-    fn output_facts_of(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        let slots = self.consts.iter().map(|(s, _)| *s);
-        let all = merged(inputs.iter().copied(), slots.zip(self.facts.iter()));
-        self.inner.output_facts(&all)
-    }
 }
 
 impl PartialEq for Baked {
@@ -81,7 +74,9 @@ impl Op for Baked {
 
 impl TypedOp for Baked {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        self.output_facts_of(inputs)
+        let slots = self.consts.iter().map(|(s, _)| *s);
+        let all = merged(inputs.iter().copied(), slots.zip(self.facts.iter()));
+        self.inner.output_facts(&all)
     }
     as_op!();
 }

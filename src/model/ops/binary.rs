@@ -11,6 +11,7 @@
 //! pairs of values, so the results are bit-identical to tract's.
 
 use tract_onnx::prelude::*;
+use tract_onnx::tract_core::broadcast::multi_broadcast;
 use tract_onnx::tract_core::internal::*;
 use tract_onnx::tract_core::ops::binary::TypedBinOp;
 use tract_onnx::tract_core::ops::math::{Add, Div, Mul, Sub};
@@ -79,10 +80,7 @@ impl Op for BroadcastArith {
 impl TypedOp for BroadcastArith {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
         ensure!(inputs.len() == 2 && inputs[0].rank() == inputs[1].rank());
-        let shape = tract_onnx::tract_core::broadcast::multi_broadcast(&[
-            inputs[0].shape.to_tvec(),
-            inputs[1].shape.to_tvec(),
-        ])?;
+        let shape = multi_broadcast(&[inputs[0].shape.to_tvec(), inputs[1].shape.to_tvec()])?;
         Ok(tvec!(TypedFact::dt_shape(f32::datum_type(), shape)))
     }
     as_op!();

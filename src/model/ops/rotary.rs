@@ -153,9 +153,11 @@ fn rotary(
                 [c, v] if v == x => c,
                 _ => continue,
             };
-            let facts = [x, cos, sin].map(|o| model.outlet_fact(o));
-            let [x_fact, cos_fact, sin_fact] = facts;
-            let (x_fact, cos_fact, sin_fact) = (x_fact?, cos_fact?, sin_fact?);
+            let (x_fact, cos_fact, sin_fact) = (
+                model.outlet_fact(x)?,
+                model.outlet_fact(cos)?,
+                model.outlet_fact(sin)?,
+            );
             let d = (2 * half).to_dim();
             let fits = [x_fact, cos_fact, sin_fact]
                 .iter()
