@@ -192,11 +192,7 @@ fn fusable(
     let Some(values) = node.op_as::<RuntimeOp>() else {
         return Ok(None);
     };
-    let only_reader = |outlet: OutletId| {
-        model.node(outlet.node).outputs.len() == 1
-            && model.outlet_successors(outlet).len() == 1
-            && !model.output_outlets().is_ok_and(|o| o.contains(&outlet))
-    };
+    let only_reader = |outlet: OutletId| super::only_reader(model, outlet);
     let p = node.inputs[0];
     let Some(softmax) = model.node(p.node).op_as::<Softmax>() else {
         return Ok(None);

@@ -36,7 +36,8 @@ use std::sync::OnceLock;
 use tract_onnx::model::OnnxOpRegister;
 use tract_onnx::pb::NodeProto;
 use tract_onnx::tract_hir::internal::{
-    format_err, Datum, InferenceOp, TDim, Tensor, ToDim, TractResult, TypedFact,
+    format_err, Datum, InferenceOp, OutletId, TDim, Tensor, ToDim, TractResult, TypedFact,
+    TypedModel,
 };
 
 /// Register the ops of this module (replacing tract-onnx's builders of the same names).
@@ -114,6 +115,14 @@ pub(crate) fn matmul_output_fact(a: &TypedFact, n: usize) -> TypedFact {
         *last = n.to_dim();
     }
     TypedFact::dt_shape(a.datum_type, shape)
+}
+
+/// Whether `outlet` is its node's only output, read by one node and not an output of the model:
+/// what a fusion takes in may then be left out of the plan.
+pub(crate) fn only_reader(model: &TypedModel, outlet: OutletId) -> bool {
+    model.node(outlet.node).outputs.len() == 1
+        && model.outlet_successors(outlet).len() == 1
+        && !model.output_outlets().is_ok_and(|o| o.contains(&outlet))
 }
 
 /// An op's output: a zeroed tensor of `shape` whose values `fill` writes where they stay.

@@ -125,12 +125,7 @@ fn rotary(
     if node.op_as::<BroadcastArith>() != Some(&BroadcastArith(Arith::Add)) {
         return Ok(None);
     }
-    // The one node that reads `outlet`, when it is not an output of the model.
-    let only_reader = |outlet: OutletId| {
-        model.node(outlet.node).outputs.len() == 1
-            && model.outlet_successors(outlet).len() == 1
-            && !model.output_outlets().is_ok_and(|o| o.contains(&outlet))
-    };
+    let only_reader = |outlet: OutletId| super::only_reader(model, outlet);
     let mul = |outlet: OutletId| {
         let n = model.node(outlet.node);
         (n.op_as::<BroadcastArith>() == Some(&BroadcastArith(Arith::Mul)) && only_reader(outlet))
@@ -145,7 +140,7 @@ fn rotary(
             (rotated_sin[0], rotated_sin[1]),
             (rotated_sin[1], rotated_sin[0]),
         ] {
-            let Some((x, half)) = rotate_half(model, rotated, &only_reader)? else {
+            let Some((x, half)) = rotate_half(model, rotated)? else {
                 continue;
             };
             let cos = match x_cos {
@@ -180,11 +175,8 @@ fn rotary(
 
 /// When `outlet` is `Concat(Neg(Slice(x, h..2h)), Slice(x, 0..h))` over the last axis of `x`
 /// (`2h` values), its intermediates read by nothing else: `x` and `h`.
-fn rotate_half(
-    model: &TypedModel,
-    outlet: OutletId,
-    only_reader: &impl Fn(OutletId) -> bool,
-) -> TractResult<Option<(OutletId, usize)>> {
+fn rotate_half(model: &TypedModel, outlet: OutletId) -> TractResult<Option<(OutletId, usize)>> {
+    let only_reader = |outlet: OutletId| super::only_reader(model, outlet);
     let concat = model.node(outlet.node);
     let rank = model.outlet_fact(outlet)?.rank();
     let is_concat = concat
