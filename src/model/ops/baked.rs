@@ -23,7 +23,8 @@ pub struct Baked {
     inner: Box<dyn TypedOp>,
     /// (slot among `inner`'s inputs, value), by slot.
     consts: TVec<(usize, TValue)>,
-    /// The constants' facts, in the same order.
+    /// The constants' facts, in the same order: kept from the graph, as a fact made again from
+    /// a tensor (`TypedFact::try_from`) scans all its values for a uniform one.
     facts: TVec<TypedFact>,
 }
 
