@@ -532,20 +532,8 @@ fn move_readers(model: &mut TypedModel, from: OutletId, to: OutletId) -> TractRe
 
 /// The one node that reads `node`'s single output, when the output is not one of the graph's.
 fn only_reader(model: &TypedModel, node: usize) -> Option<usize> {
-    let [output] = model.node(node).outputs.as_slice() else {
-        return None;
-    };
-    match output.successors.as_slice() {
-        [one]
-            if !model
-                .output_outlets()
-                .ok()?
-                .contains(&OutletId::new(node, 0)) =>
-        {
-            Some(one.node)
-        }
-        _ => None,
-    }
+    let outlet = OutletId::new(node, 0);
+    super::only_reader(model, outlet).then(|| model.outlet_successors(outlet)[0].node)
 }
 
 /// The factors of a scale of one f32 value: through reshapes, the two operands of a `Mul` of
