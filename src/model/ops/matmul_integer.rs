@@ -865,8 +865,10 @@ mod kernels {
     }
 
     /// Rows of `a` a pass of the prompt kernel multiplies with a block's widened weights:
-    /// six rows by eight columns are twelve accumulators, which with the two weight vectors
-    /// and the multiplier fit in the sixteen vector registers of x86.
+    /// six rows by eight columns are twelve accumulators. V8 keeps four of them on the stack
+    /// (with the two weight vectors, the multiplier and each product before its add, x86's
+    /// sixteen registers are one short), but the pass is bound by `i32x4.dot_i16x8_s` itself:
+    /// five rows, with one accumulator on the stack, were no faster (`bench/HISTORY.md`).
     const ROWS: usize = 6;
 
     /// Blocks of sixteen columns the prompt kernel widens at a time: their rows of `w` (as it
