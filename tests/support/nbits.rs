@@ -1,10 +1,11 @@
 //! `MatMulNBits` (`model::ops::matmul_nbits`) against the sums in f64 of the dequantized
 //! weights: decoding (one row of `A`, which it rounds to 16-bit integers per group of 32) and
-//! prompts (several rows, through weights dequantized to f32). Shared by native tests
+//! prompts (several rows: with 4-bit weights and integer zero points each row rounded so too,
+//! otherwise through weights dequantized to f32). Shared by native tests
 //! (tests/nbits_decode.rs) and wasm tests (the simd128 kernels; tests/wasm_api).
 #![allow(dead_code)]
 
-use onnx_generate::model::ops::matmul_nbits::{matmul, NBits, Zero};
+use onnx_generate::model::ops::matmul_nbits::{matmul, NBits, Zero, INTEGER_PROMPT_ROWS};
 
 /// A deterministic pseudo-random stream of u32 (xorshift64).
 fn stream(seed: u64) -> impl FnMut() -> u32 {
@@ -168,11 +169,15 @@ fn q4_reference(
         .collect()
 }
 
-/// `MatMulNBits` on a prompt (several rows of `A`: each column dequantized to f32, then
-/// multiplied with every row) against the sums in f64 of the dequantized weights, within the f32
-/// rounding of the dequantization and of the sums: 4 and 8 bits, block sizes 16 to 128 (a
-/// partial last block), default, packed and float zero points, 2, 3 and 5 rows, N not a
-/// multiple of 4.
+/// `MatMulNBits` on a prompt (several rows of `A`). With 4-bit weights in blocks of 32 or more,
+/// integer zero points and `INTEGER_PROMPT_ROWS` rows or more, each row is rounded to 16-bit
+/// integers as a decoding row is: each output is bit for bit the decoding kernel's arithmetic
+/// on its row (`q4_reference`), and a row with a NaN gives NaN. Otherwise (each column
+/// dequantized to f32, then multiplied with every row) against the sums in f64 of the
+/// dequantized weights, within the f32 rounding of the dequantization and of the sums. 4 and
+/// 8 bits, block sizes 16 to 128 (a partial last block), default, packed and float zero
+/// points, 2 to 13 rows, N not a multiple of 4 or of 8 (the 4-bit prompt kernel takes eight
+/// columns at a time, up to four rows a pass).
 pub fn check_prompt() {
     let mut next = stream(0x1319_8a2e_0370_7344);
     // Bits, block size, K, N, zero points (0 default, 1 packed, 2 float).
@@ -180,11 +185,14 @@ pub fn check_prompt() {
         (4, 16, 80, 7, 1),
         (4, 32, 96, 9, 0),
         (4, 32, 200, 5, 1),
+        (4, 64, 130, 19, 1),
         (4, 64, 130, 6, 2),
         (4, 128, 384, 4, 0),
+        (4, 128, 200, 16, 0),
         (8, 16, 40, 5, 2),
         (8, 64, 130, 7, 1),
     ] {
+        let integer_weights = bits == 4 && bs >= 32 && zp_kind != 2;
         let op = NBits {
             k,
             n,
@@ -233,12 +241,37 @@ pub fn check_prompt() {
             } as f64;
             (q - zero(col, blk)) * scales[col * blocks + blk] as f64
         };
-        for rows in [2, 3, 5] {
+        for rows in [2, 3, 5, 8, 9, 13] {
+            let integer = integer_weights && rows >= INTEGER_PROMPT_ROWS;
             let a: Vec<f32> = (0..rows * k)
                 .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
                 .collect();
             let mut got = vec![0f32; rows * n];
             matmul(&op, &a, rows, &b, &scales, &zp, &mut got).unwrap();
+            if integer {
+                for r in 0..rows {
+                    let row = &a[r * k..(r + 1) * k];
+                    let exact =
+                        q4_reference(row, &b, &scales, bs, n, |col, blk| zero(col, blk) as i32);
+                    for (col, exact) in exact.iter().enumerate() {
+                        let g = got[r * n + col];
+                        assert_eq!(
+                            g.to_bits(),
+                            exact.to_bits(),
+                            "bs={bs} k={k} n={n} rows={rows} row {r} col {col}: {g} against the decoding kernel's arithmetic {exact}"
+                        );
+                    }
+                }
+                let mut with_nan = a.clone();
+                with_nan[k + k / 2] = f32::NAN;
+                matmul(&op, &with_nan, rows, &b, &scales, &zp, &mut got).unwrap();
+                assert!(
+                    got[n..2 * n].iter().all(|v| v.is_nan()),
+                    "bs={bs} k={k} rows={rows}: {:?}",
+                    &got[n..2 * n]
+                );
+                continue;
+            }
             for r in 0..rows {
                 for col in 0..n {
                     let (mut want, mut magnitude) = (0f64, 0f64);

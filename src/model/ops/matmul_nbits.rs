@@ -8,9 +8,12 @@
 //!
 //! The weight stays packed. Decoding (one row of `A`) with 4 bits and integer zero points, the
 //! row is rounded to 16-bit integers per group of 32 values and the columns' blocks are
-//! multiplied with it in integers, four columns at a time (`QuantizedRow`); otherwise the
-//! kernel dequantizes four columns at a time (with simd128 in wasm) and multiplies them with
-//! every row of `A`, so the f32 weight never exists whole in memory.
+//! multiplied with it in integers, four columns at a time (`QuantizedRow`); a prompt of
+//! `INTEGER_PROMPT_ROWS` rows or more with such a weight has each row rounded the same way, and
+//! eight columns at a time are widened to 16-bit integers once and multiplied with every row
+//! (`QuantizedRows`, `Params::q4_prompt`); otherwise the kernel dequantizes four columns at a
+//! time (with simd128 in wasm) and multiplies them with every row of `A`. The f32 weight never
+//! exists whole in memory.
 //! Not supported (a load-time error naming the node): `g_idx`, other bit widths, a `B`,
 //! `scales` or `zero_points` whose shape does not match `K`, `N`, `bits` and `block_size`.
 
@@ -307,9 +310,11 @@ const GROUP: usize = 32;
 ///
 /// One row (decoding): each column's packed blocks are read once and multiplied in registers
 /// (with the 16-bit row for 4 bits, `QuantizedRow`). Several rows (a prompt): a few columns at
-/// a time are dequantized into a small buffer, then multiplied with every row, so the
-/// dequantization is paid once per column and the f32 weight never exists whole. Under the
-/// `threads` feature the columns are split across the pool (`parallel`).
+/// a time are widened to 16-bit integers (4 bits, integer zero points, `INTEGER_PROMPT_ROWS`
+/// rows or more: `Params::q4_prompt`) or dequantized to f32 into a small buffer, then
+/// multiplied with every row, so the widening is paid once per column and the f32 weight never
+/// exists whole. Under the `threads` feature the columns are split across the pool
+/// (`parallel`).
 pub fn matmul(
     op: &NBits,
     a: &[f32],
@@ -365,13 +370,18 @@ fn matmul_in_parts(
     let padded = blocks * bs;
     // Decoding a 4-bit weight with integer zero points: the row (padded) as 16-bit integers, so
     // that the kernel multiplies integers (`kernels::q4_columns4_i16`, `q4_column_i16`).
-    let quantized = (rows == 1 && bits == 4 && bs >= GROUP && !matches!(zp, Zero::Float(_)))
+    let integer = bits == 4 && bs >= GROUP && !matches!(zp, Zero::Float(_));
+    let quantized = (integer && rows == 1)
         .then(|| QuantizedRow::of(a, padded))
+        .flatten();
+    // A prompt of such a weight, from `INTEGER_PROMPT_ROWS` rows: every row so (`q4_prompt`).
+    let prompt = (integer && rows >= INTEGER_PROMPT_ROWS)
+        .then(|| QuantizedRows::of(a, rows, k, padded))
         .flatten();
     // Otherwise each row of A padded with zeros to whole blocks (the last block may be
     // partial), and for 4 bits reordered within each group to the nibble order.
     let mut ap = vec![];
-    if quantized.is_none() {
+    if quantized.is_none() && prompt.is_none() {
         ap.resize(rows * padded, 0f32);
         for r in 0..rows {
             let src = &a[r * k..(r + 1) * k];
@@ -392,6 +402,7 @@ fn matmul_in_parts(
         zp,
         scales,
         quantized: quantized.as_ref(),
+        prompt: prompt.as_ref(),
     };
     // The column ranges run in parallel (`parallel::by_columns`); the same values for any
     // `parts`.
@@ -443,6 +454,9 @@ impl Params<'_> {
                 block[i] = self.column_dot(cols.start + i, b, ap);
             }
             return;
+        }
+        if let Some(prompt) = self.prompt {
+            return self.q4_prompt(cols, b, prompt, rows, block);
         }
         let mut w = vec![0f32; COLS * padded];
         for first in cols.clone().step_by(COLS) {
@@ -503,6 +517,8 @@ struct Params<'a> {
     scales: &'a [f32],
     /// The row of `A` as 16-bit integers, when decoding 4-bit weights.
     quantized: Option<&'a QuantizedRow>,
+    /// The rows of `A` as 16-bit integers, for a prompt of 4-bit weights.
+    prompt: Option<&'a QuantizedRows>,
 }
 
 /// A row of `A` (padded) as 16-bit integers, each group of [`GROUP`] values with its scale:
@@ -525,11 +541,7 @@ struct QuantizedRow {
 /// as eight 16-bit lanes hold values `4j..4j + 4` in lane `j` (low nibble first), which the
 /// kernel separates with a mask and shifts by 4, 8 and 12 bits; so the group is stored as the
 /// values `4j`, then `4j + 1`, `4j + 2` and `4j + 3` (`j` = 0..8).
-// (The simd128 kernels' shuffles write this order out.)
-#[cfg_attr(
-    all(target_arch = "wasm32", target_feature = "simd128"),
-    allow(dead_code)
-)]
+// (The simd128 kernels' shuffles write this order out; `QuantizedRows` reads it back.)
 const fn q4_order(e: usize) -> usize {
     (e % 4) * 8 + e / 4
 }
@@ -558,7 +570,146 @@ impl QuantizedRow {
     }
 }
 
+/// The rows of a prompt as 16-bit integers, each rounded as one decoding row is
+/// ([`QuantizedRow`]), for the 4-bit prompt kernel (`q4_prompt`): each group's values as 16
+/// pairs `(x[2i], x[2i + 1])` in `K`'s order, one i32 a pair (a splat gives the multiplier of
+/// `i32x4.dot_i16x8_s`), and each group's scale.
+struct QuantizedRows {
+    /// `[rows, groups, 16]`.
+    pairs: Vec<i32>,
+    /// `[rows, groups]`.
+    scales: Vec<f32>,
+    groups: usize,
+}
+
+impl QuantizedRows {
+    /// `rows` rows of `k` values of `a`, each padded with zeros to `padded`; `None` when a
+    /// value is not finite (as [`QuantizedRow::of`]).
+    fn of(a: &[f32], rows: usize, k: usize, padded: usize) -> Option<QuantizedRows> {
+        let groups = padded / GROUP;
+        let mut pairs = Vec::with_capacity(rows * padded / 2);
+        let mut scales = Vec::with_capacity(rows * groups);
+        for row in a.chunks_exact(k).take(rows) {
+            let row = QuantizedRow::of(row, padded)?;
+            for q in row.q.chunks_exact(GROUP) {
+                pairs.extend((0..GROUP).step_by(2).map(|e| {
+                    let (even, odd) = (q[q4_order(e)], q[q4_order(e + 1)]);
+                    (even as u16 as u32 | (odd as u16 as u32) << 16) as i32
+                }));
+            }
+            scales.extend_from_slice(&row.scales);
+        }
+        Some(QuantizedRows {
+            pairs,
+            scales,
+            groups,
+        })
+    }
+}
+
+/// The fewest rows of a prompt that the 4-bit prompt kernel takes (`Params::q4_prompt`): it
+/// widens every weight once, which fewer rows do not repay. SmolLM2 q4 in Node, the prompt's
+/// time (a median of six, 1 new token) against the kernel that dequantizes to f32: 2 tokens
+/// 48-49 ms against 38-40, 4 tokens 54-56 against 51-52, 8 tokens 72-73 against 77-78, 16
+/// tokens 103-106 against 130, 37 tokens 203-206 against 282-284.
+pub const INTEGER_PROMPT_ROWS: usize = 8;
+
+/// Columns the 4-bit prompt kernel takes at a time (`kernels::q4_prompt8`).
+const PROMPT_COLS: usize = 8;
+
+/// One column of 4-bit weights (its blocks' bytes) times every row of a prompt: each group's
+/// sum of `(q - zero) * x` in integers, then converted and scaled as the decoding kernel does
+/// (`kernels::q4_columns4_i16`: the total plus the sum times the row's scale times the
+/// block's), so a row gives the same bits in a prompt and in a decoding step. `out(r, total)`
+/// takes row `r`'s value. The portable prompt kernel, and the columns past the last eight.
+fn q4_prompt_column(
+    src: &[u8],
+    rows: &QuantizedRows,
+    nrows: usize,
+    shift: u32,
+    scales: &[f32],
+    zero: impl Fn(usize) -> u8,
+    mut out: impl FnMut(usize, f32),
+) {
+    let groups = rows.groups;
+    for r in 0..nrows {
+        let mut total = 0f32;
+        for g in 0..groups {
+            let blk = g >> shift;
+            let z = zero(blk) as i32;
+            let pairs = &rows.pairs[(r * groups + g) * 16..(r * groups + g + 1) * 16];
+            let mut sum = 0i32;
+            for (&byte, &p) in src[g * 16..g * 16 + 16].iter().zip(pairs) {
+                let (x0, x1) = (p as i16 as i32, (p >> 16) as i16 as i32);
+                sum += ((byte & 0x0f) as i32 - z) * x0 + ((byte >> 4) as i32 - z) * x1;
+            }
+            total += sum as f32 * (rows.scales[r * groups + g] * scales[blk]);
+        }
+        out(r, total);
+    }
+}
+
 impl Params<'_> {
+    /// Columns `cols` of a prompt with 4-bit weights and integer zero points into `block`
+    /// (`[rows, cols.len()]`), the rows as 16-bit integers: eight columns at a time, their
+    /// weights less their zero points widened to 16-bit pairs once and multiplied with every
+    /// row eight products an instruction (`kernels::q4_prompt8`), the rest a column at a time.
+    fn q4_prompt(
+        &self,
+        cols: std::ops::Range<usize>,
+        b: &[u8],
+        prompt: &QuantizedRows,
+        rows: usize,
+        block: &mut [f32],
+    ) {
+        let shift = (self.bs / GROUP).trailing_zeros();
+        let (blocks, bytes) = (self.blocks, self.blocks * self.blob);
+        let width = cols.len();
+        let src = |col: usize| &b[col * bytes..(col + 1) * bytes];
+        let scales = |col: usize| &self.scales[col * blocks..(col + 1) * blocks];
+        let mut wide = vec![];
+        let mut first = cols.start;
+        while first + PROMPT_COLS <= cols.end {
+            let eight: [usize; PROMPT_COLS] = std::array::from_fn(|c| first + c);
+            let at = first - cols.start;
+            let (srcs, scales) = (eight.map(src), eight.map(scales));
+            match self.zp {
+                Zero::Default => kernels::q4_prompt8(
+                    srcs,
+                    prompt,
+                    rows,
+                    shift,
+                    scales,
+                    |_, _| 8,
+                    &mut wide,
+                    block,
+                    width,
+                    at,
+                ),
+                _ => kernels::q4_prompt8(
+                    srcs,
+                    prompt,
+                    rows,
+                    shift,
+                    scales,
+                    |c, blk| self.zero(eight[c], blk) as u8,
+                    &mut wide,
+                    block,
+                    width,
+                    at,
+                ),
+            }
+            first += PROMPT_COLS;
+        }
+        for col in first..cols.end {
+            let at = col - cols.start;
+            let zero = |blk: usize| self.zero(col, blk) as u8;
+            q4_prompt_column(src(col), prompt, rows, shift, scales(col), zero, |r, v| {
+                block[r * width + at] = v
+            });
+        }
+    }
+
     /// The zero point of block `blk` of column `col`.
     #[inline(always)]
     fn zero(&self, col: usize, blk: usize) -> f32 {
@@ -713,6 +864,29 @@ fn q8_dot(src: &[u8], x: &[f32], zero: f32) -> f32 {
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 mod kernels {
     use super::GROUP;
+
+    /// Eight columns of a prompt ([`super::Params::q4_prompt`]): each column by the portable
+    /// kernel, `q4_prompt_column`, into columns `at..at + 8` of `out` (`[nrows, width]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn q4_prompt8(
+        src: [&[u8]; super::PROMPT_COLS],
+        rows: &super::QuantizedRows,
+        nrows: usize,
+        shift: u32,
+        scales: [&[f32]; super::PROMPT_COLS],
+        zero: impl Fn(usize, usize) -> u8,
+        _wide: &mut Vec<[i32; 4]>,
+        out: &mut [f32],
+        width: usize,
+        at: usize,
+    ) {
+        for (c, (src, scales)) in src.into_iter().zip(scales).enumerate() {
+            let zero = |blk: usize| zero(c, blk);
+            super::q4_prompt_column(src, rows, nrows, shift, scales, zero, |r, v| {
+                out[r * width + at + c] = v
+            });
+        }
+    }
 
     /// The largest magnitude of a group of `x` (`QuantizedRow::of`); `None` when a value is
     /// not finite.
@@ -1193,6 +1367,187 @@ mod kernels {
             f32x4_extract_lane::<3>(total),
         ]
     }
+
+    /// Eight columns of a prompt ([`super::Params::q4_prompt`]) into columns `at..at + 8` of
+    /// `out` (`[nrows, width]`). Their weights less their zero points are widened once, each
+    /// group's 16 bytes a column into 32 i16 (natural order, nibbles interleaved by a shuffle)
+    /// and four columns' pairs of weights side by side in one vector (`wide`: two vectors per
+    /// pair of `K`, columns 0..4 and 4..8); then `q4_prompt_rows` multiplies them with up to
+    /// four rows a pass. The same integer sums and f32 operations as `q4_prompt_column`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn q4_prompt8(
+        src: [&[u8]; super::PROMPT_COLS],
+        rows: &super::QuantizedRows,
+        nrows: usize,
+        shift: u32,
+        scales: [&[f32]; super::PROMPT_COLS],
+        zero: impl Fn(usize, usize) -> u8,
+        wide: &mut Vec<v128>,
+        out: &mut [f32],
+        width: usize,
+        at: usize,
+    ) {
+        let groups = rows.groups;
+        let blocks = if groups == 0 {
+            0
+        } else {
+            ((groups - 1) >> shift) + 1
+        };
+        assert!(
+            src.iter().all(|s| s.len() >= groups * (GROUP / 2))
+                && scales.iter().all(|s| s.len() >= blocks)
+                && rows.pairs.len() >= nrows * groups * 16
+                && rows.scales.len() >= nrows * groups
+                && (nrows == 0 || out.len() >= (nrows - 1) * width + at + 8),
+            "q4_prompt8: {groups} groups, {nrows} rows"
+        );
+        wide.clear();
+        wide.resize(groups * 32, i32x4_splat(0));
+        let low = u8x16_splat(0x0f);
+        for g in 0..groups {
+            let blk = g >> shift;
+            for half in 0..2 {
+                // Column c's pairs 4j..4j + 4 of the group as i32 lanes.
+                let quads: [[v128; 4]; 4] = std::array::from_fn(|c| {
+                    let col = 4 * half + c;
+                    // SAFETY: bytes 16g..16g + 16 of the column, within the asserted length;
+                    // v128_load accepts unaligned addresses.
+                    let v = unsafe { v128_load(src[col].as_ptr().add(g * 16) as *const v128) };
+                    let (lo, hi) = (v128_and(v, low), u8x16_shr(v, 4));
+                    let first =
+                        i8x16_shuffle::<0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23>(
+                            lo, hi,
+                        );
+                    let second = i8x16_shuffle::<
+                        8,
+                        24,
+                        9,
+                        25,
+                        10,
+                        26,
+                        11,
+                        27,
+                        12,
+                        28,
+                        13,
+                        29,
+                        14,
+                        30,
+                        15,
+                        31,
+                    >(lo, hi);
+                    let z = i16x8_splat(zero(col, blk) as i16);
+                    [
+                        i16x8_sub(u16x8_extend_low_u8x16(first), z),
+                        i16x8_sub(u16x8_extend_high_u8x16(first), z),
+                        i16x8_sub(u16x8_extend_low_u8x16(second), z),
+                        i16x8_sub(u16x8_extend_high_u8x16(second), z),
+                    ]
+                });
+                for j in 0..4 {
+                    let [a, b, c, d] = [0, 1, 2, 3].map(|col| quads[col][j]);
+                    let t0 = i32x4_shuffle::<0, 4, 1, 5>(a, b);
+                    let t1 = i32x4_shuffle::<2, 6, 3, 7>(a, b);
+                    let t2 = i32x4_shuffle::<0, 4, 1, 5>(c, d);
+                    let t3 = i32x4_shuffle::<2, 6, 3, 7>(c, d);
+                    let pairs = [
+                        i32x4_shuffle::<0, 1, 4, 5>(t0, t2),
+                        i32x4_shuffle::<2, 3, 6, 7>(t0, t2),
+                        i32x4_shuffle::<0, 1, 4, 5>(t1, t3),
+                        i32x4_shuffle::<2, 3, 6, 7>(t1, t3),
+                    ];
+                    for (i, p) in pairs.into_iter().enumerate() {
+                        wide[(g * 16 + 4 * j + i) * 2 + half] = p;
+                    }
+                }
+            }
+        }
+        let block_scales: Vec<[v128; 2]> = (0..blocks)
+            .map(|blk| {
+                let s = |c: usize| scales[c][blk];
+                [f32x4(s(0), s(1), s(2), s(3)), f32x4(s(4), s(5), s(6), s(7))]
+            })
+            .collect();
+        let mut r = 0;
+        while r < nrows {
+            let m = 4.min(nrows - r);
+            let pass = match m {
+                4 => q4_prompt_rows::<4>,
+                3 => q4_prompt_rows::<3>,
+                2 => q4_prompt_rows::<2>,
+                _ => q4_prompt_rows::<1>,
+            };
+            pass(
+                wide,
+                rows,
+                r,
+                shift,
+                &block_scales,
+                &mut out[r * width..],
+                width,
+                at,
+            );
+            r += m;
+        }
+    }
+
+    /// Rows `r..r + M` of a prompt times eight widened columns (`q4_prompt8`), into columns
+    /// `at..at + 8` of `out`'s first `M` rows (`width` apart): per group, two i32x4 sums a row
+    /// (`i32x4.dot_i16x8_s` of a pair of weights of four columns with the row's pair), then
+    /// added to the row's totals as `q4_columns4_i16` does.
+    #[allow(clippy::too_many_arguments)]
+    fn q4_prompt_rows<const M: usize>(
+        wide: &[v128],
+        rows: &super::QuantizedRows,
+        r: usize,
+        shift: u32,
+        block_scales: &[[v128; 2]],
+        out: &mut [f32],
+        width: usize,
+        at: usize,
+    ) {
+        let groups = rows.groups;
+        assert!(wide.len() == groups * 32 && rows.pairs.len() >= (r + M) * groups * 16);
+        assert!(rows.scales.len() >= (r + M) * groups && out.len() >= (M - 1) * width + at + 8);
+        assert!(groups == 0 || ((groups - 1) >> shift) < block_scales.len());
+        let mut total = [[f32x4_splat(0.0); 2]; M];
+        for (g, wide) in wide.chunks_exact(32).enumerate() {
+            let mut acc = [[i32x4_splat(0); 2]; M];
+            for (j, w) in wide.chunks_exact(2).enumerate() {
+                for (q, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: ((r + q) groups + g) 16 + j < (r + M) groups 16 (asserted).
+                    let x = unsafe {
+                        v128_load32_splat(
+                            rows.pairs.as_ptr().add(((r + q) * groups + g) * 16 + j) as *const u32
+                        )
+                    };
+                    acc[0] = i32x4_add(acc[0], i32x4_dot_i16x8(w[0], x));
+                    acc[1] = i32x4_add(acc[1], i32x4_dot_i16x8(w[1], x));
+                }
+            }
+            // SAFETY: g >> shift < block_scales.len() (asserted for the last group).
+            let [s0, s1] = unsafe { *block_scales.get_unchecked(g >> shift) };
+            for (q, (total, acc)) in total.iter_mut().zip(acc).enumerate() {
+                let row_scale = f32x4_splat(rows.scales[(r + q) * groups + g]);
+                total[0] = f32x4_add(
+                    total[0],
+                    f32x4_mul(f32x4_convert_i32x4(acc[0]), f32x4_mul(row_scale, s0)),
+                );
+                total[1] = f32x4_add(
+                    total[1],
+                    f32x4_mul(f32x4_convert_i32x4(acc[1]), f32x4_mul(row_scale, s1)),
+                );
+            }
+        }
+        for (q, total) in total.iter().enumerate() {
+            let o = &mut out[q * width + at..q * width + at + 8];
+            // SAFETY: o has 8 values; v128_store accepts unaligned addresses.
+            unsafe {
+                v128_store(o.as_mut_ptr() as *mut v128, total[0]);
+                v128_store(o.as_mut_ptr().add(4) as *mut v128, total[1]);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1207,7 +1562,8 @@ mod tests {
     }
 
     /// Split across 2, 3 and 5 parts (threads under the `threads` feature), the output is
-    /// bit-identical to the one-part kernel: decode (1 row) and prompt (7 rows), 4 and 8 bits,
+    /// bit-identical to the one-part kernel: decode (1 row) and prompts (7 rows, and 9 for the
+    /// 4-bit prompt kernel, `INTEGER_PROMPT_ROWS`), 4 and 8 bits,
     /// default, packed and float zero points, a partial last block, N not a multiple of 4.
     #[test]
     fn column_split_is_bit_identical() {
@@ -1241,7 +1597,7 @@ mod tests {
                 1 => Zero::Packed(&zp_packed),
                 _ => Zero::Float(&zp_float),
             };
-            for rows in [1, 7] {
+            for rows in [1, 7, 9] {
                 let a: Vec<f32> = (0..rows * k)
                     .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
                     .collect();
