@@ -867,6 +867,7 @@ mod kernels {
 
     /// Eight columns of a prompt ([`super::Params::q4_prompt`]): each column by the portable
     /// kernel, `q4_prompt_column`, into columns `at..at + 8` of `out` (`[nrows, width]`).
+    /// (`_wide` is the simd128 kernel's buffer of widened weights, which this one needs not.)
     #[allow(clippy::too_many_arguments)]
     pub fn q4_prompt8(
         src: [&[u8]; super::PROMPT_COLS],
