@@ -293,7 +293,7 @@ fn matrix_to_blocks(t: &mut pb::TensorProto, apart: Option<&mut Tensor>) -> Resu
         )));
     }
     let copy = bytes.to_vec();
-    matmul_integer::to_blocks(&copy, k, n, bytes);
+    matmul_integer::to_blocks(&copy, k, n, t.data_type == INT8, bytes);
     Ok(())
 }
 
@@ -970,7 +970,7 @@ mod tests {
         assert_eq!(layout("yw"), Some(matmul_integer::BLOCKS_ATTRIBUTE));
         assert_eq!((layout("yv"), layout("yu6")), (None, None));
         let mut blocks = vec![0u8; k * n];
-        matmul_integer::to_blocks(&bytes(k), k, n, &mut blocks);
+        matmul_integer::to_blocks(&bytes(k), k, n, true, &mut blocks);
         let raw = |name: &str| {
             &graph
                 .initializer

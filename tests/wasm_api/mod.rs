@@ -744,12 +744,14 @@ fn int8_kernel_is_exact() {
                 true => [0x80, 0x7f, 0xff][i / 7 % 3],
             })
             .collect();
-        let mut in_blocks = vec![0u8; k * n];
-        let layouts = if fits_blocks(k, n) {
-            to_blocks(&w, k, n, &mut in_blocks);
-            vec![(Layout::Rows, &w), (Layout::Blocks, &in_blocks)]
-        } else {
-            vec![(Layout::Rows, &w)]
+        let layouts = |signed: bool| {
+            let mut layouts = vec![(Layout::Rows, w.clone())];
+            if fits_blocks(k, n) {
+                let mut in_blocks = vec![0u8; k * n];
+                to_blocks(&w, k, n, signed, &mut in_blocks);
+                layouts.push((Layout::Blocks, in_blocks));
+            }
+            layouts
         };
         for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13] {
             let a: Vec<i16> = (0..rows * k)
@@ -771,12 +773,12 @@ fn int8_kernel_is_exact() {
                             .sum()
                     })
                     .collect();
-                for &(layout, w) in &layouts {
+                for (layout, w) in layouts(is_signed) {
                     let signed: Vec<i8> = w.iter().map(|&b| b as i8).collect();
                     let bytes = if is_signed {
                         Bytes::I8(&signed)
                     } else {
-                        Bytes::U8(w)
+                        Bytes::U8(&w)
                     };
                     let mut got = vec![0i32; rows * n];
                     matmul(&a, rows, bytes, k, n, layout, &mut got);

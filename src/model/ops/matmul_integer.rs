@@ -43,10 +43,32 @@ pub enum Layout {
     /// `[K, N]`, as in the file.
     Rows,
     /// Blocks of 16 columns, one after the other, each `K x 16` bytes: for every four rows of
-    /// `B` (a quad), 64 bytes, the four weights of column 0, then those of column 1, ..
-    /// (byte `4 c + i` of quad `q` is `B[4 q + i, 16 b + c]`). A decoding step reads each block
-    /// front to back, its sixteen sums in registers. K must be a multiple of 4, N of 16.
+    /// `B` (a quad), 64 bytes, sixteen for each four columns. `B[4 q + i, 16 b + c]` is byte
+    /// [`block_byte`]`(c, i)` of quad `q` of block `b`, its top bit flipped where [`flipped`]
+    /// says so. Read as eight i16, the sixteen bytes of columns `4j..4j + 4` are the bytes of
+    /// columns `4j` and `4j + 1` side by side for rows `4q..4q + 4`, then those of `4j + 2`
+    /// and `4j + 3`: each i16 is an even column's byte, unsigned, plus 256 times an odd
+    /// column's, signed (`blocks_dot`). A decoding step reads each block front to back, its
+    /// sixteen sums in registers. K must be a multiple of 4, N of 16.
     Blocks,
+}
+
+/// Where `B[4 q + i, 16 b + c]` lies in quad `q` of block `b` (`Layout::Blocks`).
+#[inline(always)]
+pub(crate) fn block_byte(c: usize, i: usize) -> usize {
+    16 * (c / 4) + 8 * (c % 4 / 2) + 2 * i + c % 2
+}
+
+/// The bit that `Layout::Blocks` flips in column `c`'s bytes (stored = byte ^ flip): signed
+/// weights of even columns and unsigned ones of odd columns move by 128, so that the even
+/// columns' bytes are unsigned and the odd columns' signed.
+#[inline(always)]
+pub(crate) fn flipped(c: usize, signed: bool) -> u8 {
+    if c.is_multiple_of(2) == signed {
+        0x80
+    } else {
+        0
+    }
 }
 
 /// The value of the `layout` attribute of a `MatMulInteger` whose weight is in blocks.
@@ -57,16 +79,16 @@ pub fn fits_blocks(k: usize, n: usize) -> bool {
     k.is_multiple_of(4) && n.is_multiple_of(16)
 }
 
-/// `src`, a `[k, n]` matrix of bytes, into `dst` in blocks (`Layout::Blocks`); `k` and `n` fit
-/// ([`fits_blocks`]).
-pub fn to_blocks(src: &[u8], k: usize, n: usize, dst: &mut [u8]) {
+/// `src`, a `[k, n]` matrix of bytes (int8 where `signed`, else uint8), into `dst` in blocks
+/// (`Layout::Blocks`); `k` and `n` fit ([`fits_blocks`]).
+pub fn to_blocks(src: &[u8], k: usize, n: usize, signed: bool, dst: &mut [u8]) {
     assert!(fits_blocks(k, n) && src.len() == k * n && dst.len() == k * n);
     for (b, block) in dst.chunks_exact_mut(16 * k).enumerate() {
         for (q, quad) in block.chunks_exact_mut(64).enumerate() {
             for i in 0..4 {
                 let row = &src[(4 * q + i) * n + 16 * b..][..16];
                 for (c, &v) in row.iter().enumerate() {
-                    quad[4 * c + i] = v;
+                    quad[block_byte(c, i)] = v ^ flipped(c, signed);
                 }
             }
         }
@@ -692,8 +714,9 @@ mod kernels {
                 let mut sums = [0i32; 16];
                 for (q, quad) in block.chunks_exact(64).enumerate() {
                     let x = &x[4 * q..4 * q + 4];
-                    for (sum, column) in sums.iter_mut().zip(quad.chunks_exact(4)) {
-                        for (&x, &v) in x.iter().zip(column) {
+                    for (c, sum) in sums.iter_mut().enumerate() {
+                        for (i, &x) in x.iter().enumerate() {
+                            let v = quad[super::block_byte(c, i)] ^ super::flipped(c, SIGNED);
                             *sum =
                                 sum.wrapping_add((x as i32).wrapping_mul(super::byte::<SIGNED>(v)));
                         }
@@ -789,47 +812,69 @@ mod kernels {
 
     /// One row of `a` (a decoding step), `w` in blocks: each block is read front to back in
     /// one stream, its sixteen columns' sums in eight registers. A quad's 16 bytes of four
-    /// columns widen to two i16x8 of two columns' four weights each, whose `i32x4.dot_i16x8_s`
-    /// with `(a[4q], .., a[4q + 3])` twice gives two partial sums per column, added at the end.
-    /// 14 simd operations per 32 weights, no sums loaded or stored, where `matvec` takes 20:
-    /// in Node, SmolLM2's `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights
-    /// streamed from memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time
-    /// was 1268 ms against 1454 (the prompt's widening included). `STREAMS` blocks a quarter
+    /// columns give two partial sums per column with `(a[4q], .., a[4q + 3])` (`blocks_dot`),
+    /// added at the end. With the bytes widened to i16 first, 14 simd operations per 32
+    /// weights, no sums loaded or stored, where `matvec` takes 20: in Node, SmolLM2's
+    /// `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights streamed from
+    /// memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time was 1268 ms
+    /// against 1454 (the prompt's widening included). With the bytes laid out for
+    /// `blocks_dot`, 10: int8 SmolLM2 decoded in 8.2-8.8 ms a token against 8.5-9.2 (Node 20,
+    /// a 2-core AMD EPYC, alternating processes, the same tokens). `STREAMS` blocks a quarter
     /// of the weight apart are multiplied at once (or one: `streams::count`): int8 SmolLM2 in
     /// Node on a 2-core Xeon 15.6-19.7 ms a token against 18.9-22.6 for one block at a time
     /// (each run of blocks read into the cache first); two blocks at once were no faster.
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
-        if streams::count() == 1 {
-            blocks_side_by_side::<SIGNED, 1>(a, w, k, out);
+        // What the flipped bytes (`flipped`) move each column's sum by: 128 times the row's
+        // sum, taken from the even columns of signed weights, added to the odd ones of
+        // unsigned weights (wrapping, as every sum here).
+        let moved = a.iter().fold(0i32, |s, &v| s.wrapping_add(v as i32)) << 7;
+        let fix = if SIGNED {
+            i32x4(moved.wrapping_neg(), 0, moved.wrapping_neg(), 0)
         } else {
-            blocks_side_by_side::<SIGNED, STREAMS>(a, w, k, out);
+            i32x4(0, moved, 0, moved)
+        };
+        if streams::count() == 1 {
+            blocks_side_by_side::<1>(a, w, k, fix, out);
+        } else {
+            blocks_side_by_side::<STREAMS>(a, w, k, fix, out);
         }
     }
 
     /// `matvec_blocks` with `S` blocks a `S`th of them apart at once.
-    fn blocks_side_by_side<const SIGNED: bool, const S: usize>(
+    fn blocks_side_by_side<const S: usize>(
         a: &[i16],
         w: &[u8],
         k: usize,
+        fix: v128,
         out: &mut [i32],
     ) {
         let (groups, rest) = side_by_side::<S>(out.len() / 16);
         for bs in groups {
-            blocks_dot::<SIGNED, S>(a, w, k, bs, out);
+            blocks_dot::<S>(a, w, k, bs, fix, out);
         }
         for b in rest {
-            blocks_dot::<SIGNED, 1>(a, w, k, [b], out);
+            blocks_dot::<1>(a, w, k, [b], fix, out);
         }
     }
 
-    /// The sixteen sums of each of the blocks `blocks` (one row of `a`) into `out`.
+    /// The sixteen sums of each of the blocks `blocks` (one row of `a`) into `out`, `fix` added
+    /// to each four.
+    ///
+    /// Sixteen bytes of a quad read as eight i16 are `e + 256 o` for the pairs of an even
+    /// column's unsigned byte `e` and an odd column's signed byte `o` (`Layout::Blocks`), and
+    /// their arithmetic shift right by 8 is `o`: `i32x4.dot_i16x8_s` of each with the row's
+    /// four values gives `E + 256 O` and `O` for the two columns' halves, and `E` is the first
+    /// less 256 times the second (in wrapping i32 arithmetic, as every sum here). A quad's
+    /// four such loads for sixteen columns take one shift each where widening their bytes to
+    /// i16 took three.
     #[inline(always)]
-    fn blocks_dot<const SIGNED: bool, const S: usize>(
+    fn blocks_dot<const S: usize>(
         a: &[i16],
         w: &[u8],
         k: usize,
         blocks: [usize; S],
+        fix: v128,
         out: &mut [i32],
     ) {
         let mut acc = [[i32x4_splat(0); 8]; S];
@@ -842,10 +887,10 @@ mod kernels {
                 let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
                 for (acc, p) in acc.iter_mut().zip(&p) {
                     for j in 0..4 {
-                        let (lo, hi) =
-                            widen::<SIGNED>(v128_load(p.add(64 * q + 16 * j) as *const v128));
-                        acc[2 * j] = i32x4_add(acc[2 * j], i32x4_dot_i16x8(lo, x));
-                        acc[2 * j + 1] = i32x4_add(acc[2 * j + 1], i32x4_dot_i16x8(hi, x));
+                        let v = v128_load(p.add(64 * q + 16 * j) as *const v128);
+                        acc[2 * j] = i32x4_add(acc[2 * j], i32x4_dot_i16x8(v, x));
+                        acc[2 * j + 1] =
+                            i32x4_add(acc[2 * j + 1], i32x4_dot_i16x8(i16x8_shr(v, 8), x));
                     }
                 }
             }
@@ -853,13 +898,16 @@ mod kernels {
         for (acc, b) in acc.iter().zip(blocks) {
             let o = &mut out[16 * b..16 * b + 16];
             for j in 0..4 {
-                let (s0, s1) = (acc[2 * j], acc[2 * j + 1]);
+                // Columns 4j..4j + 4: lanes 0 and 1 of `even` hold column 4j's two halves,
+                // lanes 2 and 3 column 4j + 2's; `odd` those of 4j + 1 and 4j + 3.
+                let odd = acc[2 * j + 1];
+                let even = i32x4_sub(acc[2 * j], i32x4_shl(odd, 8));
                 let sums = i32x4_add(
-                    i32x4_shuffle::<0, 2, 4, 6>(s0, s1),
-                    i32x4_shuffle::<1, 3, 5, 7>(s0, s1),
+                    i32x4_shuffle::<0, 4, 2, 6>(even, odd),
+                    i32x4_shuffle::<1, 5, 3, 7>(even, odd),
                 );
                 // SAFETY: o holds 16 values.
-                unsafe { v128_store(o.as_mut_ptr().add(4 * j) as *mut v128, sums) };
+                unsafe { v128_store(o.as_mut_ptr().add(4 * j) as *mut v128, i32x4_add(sums, fix)) };
             }
         }
     }
@@ -979,15 +1027,19 @@ mod kernels {
 
     /// A quad of a block (64 bytes: four columns' four weights, four times) as the i16 pairs
     /// of its rows `4q, 4q + 1` (`even`) and `4q + 2, 4q + 3` (`odd`) for columns 4j..4j + 4:
-    /// `[even 0, odd 0, even 1, odd 1, ..]`.
+    /// `[even 0, odd 0, even 1, odd 1, ..]`. The flipped bytes (`flipped`: the even columns'
+    /// of signed weights, the odd columns' of unsigned ones) are flipped back first.
     #[inline(always)]
     fn quad_pairs<const SIGNED: bool>(quad: &[u8]) -> [v128; 8] {
         assert!(quad.len() == 64);
+        let flip = u16x8_splat(if SIGNED { 0x0080 } else { 0x8000 });
         let mut out = [i32x4_splat(0); 8];
         for j in 0..4 {
             // SAFETY: bytes 16j..16j + 16 of the 64 (asserted); v128_load is unaligned.
             let v = unsafe { v128_load(quad.as_ptr().add(16 * j) as *const v128) };
-            let v = i8x16_shuffle::<0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15>(v, v);
+            let v = v128_xor(v, flip);
+            // Column c's row i at `block_byte`: 8 (c / 2) + 2 i + c % 2 of these sixteen.
+            let v = i8x16_shuffle::<0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15>(v, v);
             (out[2 * j], out[2 * j + 1]) = widen::<SIGNED>(v);
         }
         out
@@ -1082,12 +1134,14 @@ mod tests {
         let mut next = move || (state() >> 24) as u32;
         for (k, n) in [(7, 5), (32, 48), (33, 37), (576, 192)] {
             let w: Vec<u8> = (0..k * n).map(|_| next() as u8).collect();
-            let mut in_blocks = vec![0u8; k * n];
-            let layouts = if fits_blocks(k, n) {
-                to_blocks(&w, k, n, &mut in_blocks);
-                vec![(Layout::Rows, &w), (Layout::Blocks, &in_blocks)]
-            } else {
-                vec![(Layout::Rows, &w)]
+            let layouts = |signed: bool| {
+                let mut layouts = vec![(Layout::Rows, w.clone())];
+                if fits_blocks(k, n) {
+                    let mut in_blocks = vec![0u8; k * n];
+                    to_blocks(&w, k, n, signed, &mut in_blocks);
+                    layouts.push((Layout::Blocks, in_blocks));
+                }
+                layouts
             };
             for rows in 1..=5 {
                 let a: Vec<i16> = (0..rows * k).map(|_| (next() % 511) as i16 - 255).collect();
@@ -1104,12 +1158,12 @@ mod tests {
                                 .sum()
                         })
                         .collect();
-                    for &(layout, w) in &layouts {
+                    for (layout, w) in layouts(signed) {
                         let signed_w: Vec<i8> = w.iter().map(|&b| b as i8).collect();
                         let bytes = if signed {
                             Bytes::I8(&signed_w)
                         } else {
-                            Bytes::U8(w)
+                            Bytes::U8(&w)
                         };
                         for parts in [1, 2, 3] {
                             let mut got = vec![0i32; rows * n];
@@ -1125,23 +1179,36 @@ mod tests {
         }
     }
 
-    /// Byte `4 c + i` of quad `q` of block `b` is `B[4 q + i, 16 b + c]`.
+    /// Quad `q` of block `b` holds `B[4 q + i, 16 b + c]` at `block_byte(c, i)`, each value
+    /// once: read as i16, the even columns' bytes are the low ones and unsigned, the odd
+    /// columns' the high ones and signed (`B`'s signed bytes of even columns and unsigned
+    /// bytes of odd columns less 128), columns `4j..4j + 4` in the quad's `j`th sixteen bytes.
     #[test]
     fn blocks_put_every_byte_in_its_place() {
         let (k, n) = (8, 32);
-        let w: Vec<u8> = (0..k * n).map(|i| i as u8).collect();
-        let mut blocks = vec![0u8; k * n];
-        to_blocks(&w, k, n, &mut blocks);
-        for b in 0..n / 16 {
-            for q in 0..k / 4 {
-                for c in 0..16 {
-                    for i in 0..4 {
-                        let at = 16 * k * b + 64 * q + 4 * c + i;
-                        assert_eq!(
-                            blocks[at],
-                            w[(4 * q + i) * n + 16 * b + c],
-                            "b={b} q={q} c={c} i={i}"
-                        );
+        let w: Vec<u8> = (0..k * n).map(|i| (i * 7) as u8).collect();
+        for signed in [true, false] {
+            let mut blocks = vec![0u8; k * n];
+            to_blocks(&w, k, n, signed, &mut blocks);
+            let mut seen = vec![false; k * n];
+            for b in 0..n / 16 {
+                for q in 0..k / 4 {
+                    for c in 0..16 {
+                        for i in 0..4 {
+                            let place = block_byte(c, i);
+                            assert_eq!(place / 16, c / 4, "c={c} i={i}");
+                            assert_eq!(place % 2, c % 2, "c={c} i={i}: low bytes for even columns");
+                            let at = 16 * k * b + 64 * q + place;
+                            assert!(!seen[at], "b={b} q={q} c={c} i={i}: byte {at} twice");
+                            seen[at] = true;
+                            let v = w[(4 * q + i) * n + 16 * b + c];
+                            let want = match (signed, c.is_multiple_of(2)) {
+                                (true, true) => (v as i8 as i32 + 128) as u8,
+                                (false, false) => (v as i32 - 128) as i8 as u8,
+                                _ => v,
+                            };
+                            assert_eq!(blocks[at], want, "signed={signed} b={b} q={q} c={c} i={i}");
+                        }
                     }
                 }
             }
