@@ -42,21 +42,21 @@ pub(super) static TRACT: super::TractBuilder = super::TractBuilder::new();
 pub enum Layout {
     /// `[K, N]`, as in the file.
     Rows,
-    /// Blocks of 16 columns, one after the other, each `K x 16` bytes: for every four rows of
-    /// `B` (a quad), 64 bytes, sixteen for each four columns. `B[4 q + i, 16 b + c]` is byte
-    /// [`block_byte`]`(c, i)` of quad `q` of block `b`, its top bit flipped where [`flipped`]
-    /// says so. Read as eight i16, the sixteen bytes of columns `4j..4j + 4` are the bytes of
-    /// columns `4j` and `4j + 1` side by side for rows `4q..4q + 4`, then those of `4j + 2`
-    /// and `4j + 3`: each i16 is an even column's byte, unsigned, plus 256 times an odd
+    /// Blocks of 4 columns, one after the other, each `K x 4` bytes: for every four rows of
+    /// `B` (a quad), 16 bytes. `B[4 q + i, 4 b + c]` is byte [`block_byte`]`(c, i)` of quad
+    /// `q` of block `b`, its top bit flipped where [`flipped`] says so. Read as eight i16, a
+    /// quad is the bytes of columns 0 and 1 side by side for rows `4q..4q + 4`, then those of
+    /// columns 2 and 3: each i16 is an even column's byte, unsigned, plus 256 times an odd
     /// column's, signed (`blocks_dot`). A decoding step reads each block front to back, its
-    /// sixteen sums in registers. K must be a multiple of 4, N of 16.
+    /// four sums in two registers. K must be a multiple of 4, N of 16 (the prompt kernel
+    /// takes four blocks at a time).
     Blocks,
 }
 
-/// Where `B[4 q + i, 16 b + c]` lies in quad `q` of block `b` (`Layout::Blocks`).
+/// Where `B[4 q + i, 4 b + c]` lies in quad `q` of block `b` (`Layout::Blocks`).
 #[inline(always)]
 pub(crate) fn block_byte(c: usize, i: usize) -> usize {
-    16 * (c / 4) + 8 * (c % 4 / 2) + 2 * i + c % 2
+    8 * (c / 2) + 2 * i + c % 2
 }
 
 /// The bit that `Layout::Blocks` flips in column `c`'s bytes (stored = byte ^ flip): signed
@@ -83,10 +83,10 @@ pub fn fits_blocks(k: usize, n: usize) -> bool {
 /// (`Layout::Blocks`); `k` and `n` fit ([`fits_blocks`]).
 pub fn to_blocks(src: &[u8], k: usize, n: usize, signed: bool, dst: &mut [u8]) {
     assert!(fits_blocks(k, n) && src.len() == k * n && dst.len() == k * n);
-    for (b, block) in dst.chunks_exact_mut(16 * k).enumerate() {
-        for (q, quad) in block.chunks_exact_mut(64).enumerate() {
+    for (b, block) in dst.chunks_exact_mut(4 * k).enumerate() {
+        for (q, quad) in block.chunks_exact_mut(16).enumerate() {
             for i in 0..4 {
-                let row = &src[(4 * q + i) * n + 16 * b..][..16];
+                let row = &src[(4 * q + i) * n + 4 * b..][..4];
                 for (c, &v) in row.iter().enumerate() {
                     quad[block_byte(c, i)] = v ^ flipped(c, signed);
                 }
@@ -613,8 +613,8 @@ pub fn matmul(
     matmul_in_parts(a, rows, w, k, n, layout, out, parts)
 }
 
-/// [`matmul`] with the output columns split in `parts` ranges of whole blocks of 16 (integer
-/// sums: the same values for any split).
+/// [`matmul`] with the output columns split in `parts` ranges of whole sixteen columns
+/// (integer sums: the same values for any split).
 #[allow(clippy::too_many_arguments)]
 fn matmul_in_parts(
     a: &[i16],
@@ -708,11 +708,11 @@ mod kernels {
     /// the blocks of the `out.len() / rows` columns of `out` (`[rows, n]`).
     pub fn blocks<const SIGNED: bool>(a: &[i16], rows: usize, w: &[u8], k: usize, out: &mut [i32]) {
         let n = out.len() / rows.max(1);
-        for (b, block) in w.chunks_exact(16 * k).enumerate() {
+        for (b, block) in w.chunks_exact(4 * k).enumerate() {
             for r in 0..rows {
                 let x = &a[r * k..(r + 1) * k];
-                let mut sums = [0i32; 16];
-                for (q, quad) in block.chunks_exact(64).enumerate() {
+                let mut sums = [0i32; 4];
+                for (q, quad) in block.chunks_exact(16).enumerate() {
                     let x = &x[4 * q..4 * q + 4];
                     for (c, sum) in sums.iter_mut().enumerate() {
                         for (i, &x) in x.iter().enumerate() {
@@ -722,7 +722,7 @@ mod kernels {
                         }
                     }
                 }
-                out[r * n + 16 * b..r * n + 16 * b + 16].copy_from_slice(&sums);
+                out[r * n + 4 * b..r * n + 4 * b + 4].copy_from_slice(&sums);
             }
         }
     }
@@ -733,7 +733,6 @@ mod kernels {
     use core::arch::wasm32::*;
 
     use super::super::linalg::{side_by_side, STREAMS};
-    use super::super::streams;
 
     /// `(a, b)` as one i32: a splat of it is the i16x8 multiplier of a pair of weight rows.
     #[inline(always)]
@@ -810,19 +809,18 @@ mod kernels {
         super::portable::<SIGNED>(a, 1, w, k, stride, n, 0..k, blocks * 16..n, out);
     }
 
-    /// One row of `a` (a decoding step), `w` in blocks: each block is read front to back in
-    /// one stream, its sixteen columns' sums in eight registers. A quad's 16 bytes of four
-    /// columns give two partial sums per column with `(a[4q], .., a[4q + 3])` (`blocks_dot`),
-    /// added at the end. With the bytes widened to i16 first, 14 simd operations per 32
-    /// weights, no sums loaded or stored, where `matvec` takes 20: in Node, SmolLM2's
-    /// `[576, 1536]` in cache at 29.5 GB/s against 22.1, 106 MB of weights streamed from
-    /// memory at 7.4 against 7.6; in a profile of 64 int8 tokens its self time was 1268 ms
-    /// against 1454 (the prompt's widening included). With the bytes laid out for
-    /// `blocks_dot`, 10: int8 SmolLM2 decoded in 8.2-8.8 ms a token against 8.5-9.2 (Node 20,
-    /// a 2-core AMD EPYC, alternating processes, the same tokens). `STREAMS` blocks a quarter
-    /// of the weight apart are multiplied at once (or one: `streams::count`): int8 SmolLM2 in
-    /// Node on a 2-core Xeon 15.6-19.7 ms a token against 18.9-22.6 for one block at a time
-    /// (each run of blocks read into the cache first); two blocks at once were no faster.
+    /// One row of `a` (a decoding step), `w` in blocks: `STREAMS` blocks a quarter of the
+    /// weight apart read at once, each front to back, its four sums in two registers
+    /// (`blocks_dot`): eight for four blocks, which x86-64's sixteen simd registers hold, so
+    /// four streams are read whatever `streams::count` says. With blocks of sixteen columns
+    /// and their bytes widened to i16, 14 simd operations per 32 weights, where `matvec` takes
+    /// 20 (in Node, SmolLM2's `[576, 1536]` in cache at 29.5 GB/s against 22.1); four blocks
+    /// at once decoded int8 SmolLM2 on a 2-core Xeon in 15.6-19.7 ms a token against
+    /// 18.9-22.6 for one, but their 32 sums did not fit the registers and on a 2-core AMD
+    /// EPYC one block decoded faster. Now 10 operations per 32 weights: in a wasm benchmark
+    /// of 106 MB of int8 weights (Node 20, the EPYC, best of 30) 3.6-3.8 ms a row, where
+    /// sixteen-column blocks took 4.2-4.4 widened and 4.0-4.2 as here but one block at a
+    /// time; 295 KB in cache 7.0 us against 9.5 widened.
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
         // What the flipped bytes (`flipped`) move each column's sum by: 128 times the row's
@@ -834,40 +832,25 @@ mod kernels {
         } else {
             i32x4(0, moved, 0, moved)
         };
-        if streams::count() == 1 {
-            blocks_side_by_side::<1>(a, w, k, fix, out);
-        } else {
-            blocks_side_by_side::<STREAMS>(a, w, k, fix, out);
-        }
-    }
-
-    /// `matvec_blocks` with `S` blocks a `S`th of them apart at once.
-    fn blocks_side_by_side<const S: usize>(
-        a: &[i16],
-        w: &[u8],
-        k: usize,
-        fix: v128,
-        out: &mut [i32],
-    ) {
-        let (groups, rest) = side_by_side::<S>(out.len() / 16);
+        // N is a multiple of 16 (`fits_blocks`, and `parallel`'s ranges): the blocks come in
+        // fours, and the rest is there for any count.
+        let (groups, rest) = side_by_side::<STREAMS>(out.len() / 4);
         for bs in groups {
-            blocks_dot::<S>(a, w, k, bs, fix, out);
+            blocks_dot::<STREAMS>(a, w, k, bs, fix, out);
         }
         for b in rest {
             blocks_dot::<1>(a, w, k, [b], fix, out);
         }
     }
 
-    /// The sixteen sums of each of the blocks `blocks` (one row of `a`) into `out`, `fix` added
-    /// to each four.
+    /// The four sums of each of the blocks `blocks` (one row of `a`) into `out`, `fix` added.
     ///
-    /// Sixteen bytes of a quad read as eight i16 are `e + 256 o` for the pairs of an even
+    /// A quad's sixteen bytes read as eight i16 are `e + 256 o` for the pairs of an even
     /// column's unsigned byte `e` and an odd column's signed byte `o` (`Layout::Blocks`), and
     /// their arithmetic shift right by 8 is `o`: `i32x4.dot_i16x8_s` of each with the row's
     /// four values gives `E + 256 O` and `O` for the two columns' halves, and `E` is the first
-    /// less 256 times the second (in wrapping i32 arithmetic, as every sum here). A quad's
-    /// four such loads for sixteen columns take one shift each where widening their bytes to
-    /// i16 took three.
+    /// less 256 times the second (in wrapping i32 arithmetic, as every sum here): one shift
+    /// per sixteen weights, where widening their bytes to i16 took three operations.
     #[inline(always)]
     fn blocks_dot<const S: usize>(
         a: &[i16],
@@ -877,38 +860,32 @@ mod kernels {
         fix: v128,
         out: &mut [i32],
     ) {
-        let mut acc = [[i32x4_splat(0); 8]; S];
-        let p = blocks.map(|b| w[16 * k * b..16 * k * (b + 1)].as_ptr());
-        // SAFETY: block b is bytes 16 k b..16 k (b + 1) of w (sliced above), quad q its bytes
-        // 64 q..64 q + 64 (q < k / 4), and a[4q..4q + 4] within a (`matvec_blocks` asserts
+        let mut acc = [[i32x4_splat(0); 2]; S];
+        let p = blocks.map(|b| w[4 * k * b..4 * k * (b + 1)].as_ptr());
+        // SAFETY: block b is bytes 4 k b..4 k (b + 1) of w (sliced above), quad q its bytes
+        // 16 q..16 q + 16 (q < k / 4), and a[4q..4q + 4] within a (`matvec_blocks` asserts
         // a.len() == k); loads are unaligned.
         unsafe {
             for q in 0..k / 4 {
                 let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
                 for (acc, p) in acc.iter_mut().zip(&p) {
-                    for j in 0..4 {
-                        let v = v128_load(p.add(64 * q + 16 * j) as *const v128);
-                        acc[2 * j] = i32x4_add(acc[2 * j], i32x4_dot_i16x8(v, x));
-                        acc[2 * j + 1] =
-                            i32x4_add(acc[2 * j + 1], i32x4_dot_i16x8(i16x8_shr(v, 8), x));
-                    }
+                    let v = v128_load(p.add(16 * q) as *const v128);
+                    acc[0] = i32x4_add(acc[0], i32x4_dot_i16x8(v, x));
+                    acc[1] = i32x4_add(acc[1], i32x4_dot_i16x8(i16x8_shr(v, 8), x));
                 }
             }
         }
-        for (acc, b) in acc.iter().zip(blocks) {
-            let o = &mut out[16 * b..16 * b + 16];
-            for j in 0..4 {
-                // Columns 4j..4j + 4: lanes 0 and 1 of `even` hold column 4j's two halves,
-                // lanes 2 and 3 column 4j + 2's; `odd` those of 4j + 1 and 4j + 3.
-                let odd = acc[2 * j + 1];
-                let even = i32x4_sub(acc[2 * j], i32x4_shl(odd, 8));
-                let sums = i32x4_add(
-                    i32x4_shuffle::<0, 4, 2, 6>(even, odd),
-                    i32x4_shuffle::<1, 5, 3, 7>(even, odd),
-                );
-                // SAFETY: o holds 16 values.
-                unsafe { v128_store(o.as_mut_ptr().add(4 * j) as *mut v128, i32x4_add(sums, fix)) };
-            }
+        for ([both, odd], b) in acc.into_iter().zip(blocks) {
+            // Lanes 0 and 1 of `even` hold column 0's two halves, lanes 2 and 3 column 2's;
+            // `odd` those of columns 1 and 3.
+            let even = i32x4_sub(both, i32x4_shl(odd, 8));
+            let sums = i32x4_add(
+                i32x4_shuffle::<0, 4, 2, 6>(even, odd),
+                i32x4_shuffle::<1, 5, 3, 7>(even, odd),
+            );
+            let o = &mut out[4 * b..4 * b + 4];
+            // SAFETY: o holds 4 values.
+            unsafe { v128_store(o.as_mut_ptr() as *mut v128, i32x4_add(sums, fix)) };
         }
     }
 
@@ -993,9 +970,10 @@ mod kernels {
         super::portable::<SIGNED>(a, rows, w, k, stride, n, 0..k, blocks * 16..n, out);
     }
 
-    /// Rows of `a`, `w` in blocks (the `out.len() / rows` columns of `out`): as [`rows`], each
-    /// group's quads (64 contiguous bytes: four columns' four weights, four times) shuffled
-    /// into the pairs of rows `4q, 4q + 1` and `4q + 2, 4q + 3` of four columns and widened.
+    /// Rows of `a`, `w` in blocks (the `out.len() / rows` columns of `out`): as [`rows`],
+    /// sixteen columns (four blocks) at a time, each block's quads (sixteen bytes: four
+    /// columns' four weights) shuffled into the pairs of rows `4q, 4q + 1` and `4q + 2, 4q + 3`
+    /// of its four columns and widened.
     pub fn blocks<const SIGNED: bool>(a: &[i16], rows: usize, w: &[u8], k: usize, out: &mut [i32]) {
         let n = out.len() / rows.max(1);
         assert!(a.len() == rows * k && w.len() == k * n && super::fits_blocks(k, n));
@@ -1009,14 +987,14 @@ mod kernels {
         for first in (0..blocks).step_by(GROUP) {
             let count = GROUP.min(blocks - first);
             for g in 0..count {
-                // Block g's two halves in `wide` (`wide_index`): quad q's pairs of rows 2q and
-                // 2q + 1 are vectors 4q..4q + 4 of each, columns 0..8 in the first.
-                let block = &w[16 * k * (first + g)..16 * k * (first + g + 1)];
+                // Sixteen columns' two halves in `wide` (`wide_index`): quad q's pairs of rows
+                // 2q and 2q + 1 are vectors 4q..4q + 4 of each, columns 0..8 in the first.
+                let four = &w[16 * k * (first + g)..16 * k * (first + g + 1)];
                 let (low, high) =
                     wide[4 * g * pairs_k..4 * (g + 1) * pairs_k].split_at_mut(2 * pairs_k);
                 let halves = low.chunks_exact_mut(4).zip(high.chunks_exact_mut(4));
-                for (quad, (low, high)) in block.chunks_exact(64).zip(halves) {
-                    let [e0, o0, e1, o1, e2, o2, e3, o3] = quad_pairs::<SIGNED>(quad);
+                for (q, (low, high)) in halves.enumerate() {
+                    let [e0, o0, e1, o1, e2, o2, e3, o3] = quad_pairs::<SIGNED>(four, k, q);
                     low.copy_from_slice(&[e0, e1, o0, o1]);
                     high.copy_from_slice(&[e2, e3, o2, o3]);
                 }
@@ -1025,18 +1003,19 @@ mod kernels {
         }
     }
 
-    /// A quad of a block (64 bytes: four columns' four weights, four times) as the i16 pairs
-    /// of its rows `4q, 4q + 1` (`even`) and `4q + 2, 4q + 3` (`odd`) for columns 4j..4j + 4:
+    /// Quad `q` of four blocks (`four`, `4 k` bytes each) as the i16 pairs of its rows
+    /// `4q, 4q + 1` (`even`) and `4q + 2, 4q + 3` (`odd`) for block j's columns:
     /// `[even 0, odd 0, even 1, odd 1, ..]`. The flipped bytes (`flipped`: the even columns'
     /// of signed weights, the odd columns' of unsigned ones) are flipped back first.
     #[inline(always)]
-    fn quad_pairs<const SIGNED: bool>(quad: &[u8]) -> [v128; 8] {
-        assert!(quad.len() == 64);
+    fn quad_pairs<const SIGNED: bool>(four: &[u8], k: usize, q: usize) -> [v128; 8] {
+        assert!(four.len() == 16 * k && q < k / 4);
         let flip = u16x8_splat(if SIGNED { 0x0080 } else { 0x8000 });
         let mut out = [i32x4_splat(0); 8];
         for j in 0..4 {
-            // SAFETY: bytes 16j..16j + 16 of the 64 (asserted); v128_load is unaligned.
-            let v = unsafe { v128_load(quad.as_ptr().add(16 * j) as *const v128) };
+            // SAFETY: bytes 16q..16q + 16 of block j, within `four` (asserted); v128_load is
+            // unaligned.
+            let v = unsafe { v128_load(four.as_ptr().add(4 * k * j + 16 * q) as *const v128) };
             let v = v128_xor(v, flip);
             // Column c's row i at `block_byte`: 8 (c / 2) + 2 i + c % 2 of these sixteen.
             let v = i8x16_shuffle::<0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15>(v, v);
@@ -1179,10 +1158,10 @@ mod tests {
         }
     }
 
-    /// Quad `q` of block `b` holds `B[4 q + i, 16 b + c]` at `block_byte(c, i)`, each value
+    /// Quad `q` of block `b` holds `B[4 q + i, 4 b + c]` at `block_byte(c, i)`, each value
     /// once: read as i16, the even columns' bytes are the low ones and unsigned, the odd
     /// columns' the high ones and signed (`B`'s signed bytes of even columns and unsigned
-    /// bytes of odd columns less 128), columns `4j..4j + 4` in the quad's `j`th sixteen bytes.
+    /// bytes of odd columns less 128), columns 0 and 1 in the quad's first eight bytes.
     #[test]
     fn blocks_put_every_byte_in_its_place() {
         let (k, n) = (8, 32);
@@ -1191,17 +1170,17 @@ mod tests {
             let mut blocks = vec![0u8; k * n];
             to_blocks(&w, k, n, signed, &mut blocks);
             let mut seen = vec![false; k * n];
-            for b in 0..n / 16 {
+            for b in 0..n / 4 {
                 for q in 0..k / 4 {
-                    for c in 0..16 {
+                    for c in 0..4 {
                         for i in 0..4 {
                             let place = block_byte(c, i);
-                            assert_eq!(place / 16, c / 4, "c={c} i={i}");
+                            assert_eq!(place / 8, c / 2, "c={c} i={i}");
                             assert_eq!(place % 2, c % 2, "c={c} i={i}: low bytes for even columns");
-                            let at = 16 * k * b + 64 * q + place;
+                            let at = 4 * k * b + 16 * q + place;
                             assert!(!seen[at], "b={b} q={q} c={c} i={i}: byte {at} twice");
                             seen[at] = true;
-                            let v = w[(4 * q + i) * n + 16 * b + c];
+                            let v = w[(4 * q + i) * n + 4 * b + c];
                             let want = match (signed, c.is_multiple_of(2)) {
                                 (true, true) => (v as i8 as i32 + 128) as u8,
                                 (false, false) => (v as i32 - 128) as i8 as u8,

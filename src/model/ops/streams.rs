@@ -7,9 +7,10 @@
 //! (10-13 GB/s inside wasm) SmolLM2's f16 layers took 18.1 ms with four streams and 38.7 with
 //! one. Where memory is fast the same kernels are bound by their arithmetic, and four parts
 //! side by side need four sets of sums, more than the sixteen simd registers of x86-64 hold
-//! (the f32 panel kernel keeps 32, the int8 block kernel 32): on a 2-core AMD EPYC (Zen 4,
-//! 22-31 GB/s) one stream decoded fp32 SmolLM2 in 24.4-25.7 ms a token against 27.2-30.1
-//! and int8 in 10.8-11.5 against 13.0-14.5 (Node 20, alternating processes). On the same
+//! (the f32 panel kernel keeps 32): on a 2-core AMD EPYC (Zen 4, 22-31 GB/s) one stream
+//! decoded fp32 SmolLM2 in 24.4-25.7 ms a token against 27.2-30.1, and int8 in 10.8-11.5
+//! against 13.0-14.5 while its block kernel kept 32 (it now keeps 8 and always reads four
+//! blocks: `matmul_integer`) (Node 20, alternating processes). On the same
 //! EPYC the `lm_head`'s bound pass over its int8 copy (`lm_head`) was faster as one stream
 //! for every file, fp16's included, whose layers were faster with four: a package whose
 //! pass read one stream decoded q4 in 12.6-13.1 ms a token against 14.1-14.5, int8 in
@@ -29,8 +30,8 @@ use std::sync::Mutex;
 
 use super::linalg::STREAMS;
 
-/// Parts of a weight read side by side by the layers' products (f16 rows, f32 panels, int8
-/// blocks) and by the `lm_head`'s bound pass.
+/// Parts of a weight read side by side by the layers' products (f16 rows, f32 panels) and by
+/// the `lm_head`'s bound pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Reads {
     pub layers: usize,
