@@ -10,9 +10,9 @@
 //!   the embedding table) becomes a `MatMulWeights` node reading the table itself: tract would
 //!   otherwise keep a transposed copy and a packed copy of it.
 //! * An 8-bit matrix `[K, N]` that only `MatMulInteger`s read (as their `B`, at the top level)
-//!   is stored in blocks of sixteen columns in place (`ops/matmul_integer.rs`,
+//!   is stored in blocks of four columns in place (`ops/matmul_integer.rs`,
 //!   `Layout::Blocks`), the nodes' `layout` attribute set to say so: a decoding step reads
-//!   each block in one stream.
+//!   each block in one stream, four blocks at a time.
 //! * In decoder and encoder graphs, the `MatMul`s of runtime operands (the attention products)
 //!   become `MatMulRuntime` (`runtime_matmuls`); one by a `Transpose` of the last two axes
 //!   (scaled or not: the keys of `Q K^T`) reads the untransposed tensor (`trans_b`).
@@ -229,7 +229,7 @@ fn is_matmul_integer(node: &pb::NodeProto) -> bool {
 /// `MatMulInteger`s of the graph read, as their `B`, each with no zero point or one initializer
 /// of its type with one value or one per column (what `ops::matmul_integer` takes; tract's own
 /// `MatMulInteger` would read the blocks as rows): stored in blocks
-/// (`matmul_integer::Layout::Blocks`), so that a decoding step reads each block of sixteen
+/// (`matmul_integer::Layout::Blocks`), so that a decoding step reads each block of four
 /// columns in one stream.
 fn integer_block_matrices(
     graph: &pb::GraphProto,

@@ -7,9 +7,9 @@
 //! matrix that only `MatMulInteger`s read so, in place, when K is a multiple of 4 and N of 16,
 //! and sets the node's `layout` attribute to 1). `A - a_zero` is formed once per row as int16,
 //! and the simd128 kernels multiply pairs of weights with `i32x4.dot_i16x8_s`: a prompt's
-//! rows six at a time down widened blocks of columns, a decoding step's single row down each
-//! block of columns in one stream (in blocks) or four rows of `B` at a time across all
-//! columns (as it lies); the `B` zero point is subtracted afterwards as
+//! rows six at a time down widened blocks of columns, a decoding step's single row down four
+//! blocks of columns at a time, each in one stream (in blocks), or four rows of `B` at a time
+//! across all columns (as it lies); the `B` zero point is subtracted afterwards as
 //! `b_zero[n] * sum_k (A[m, k] - a_zero)`. Integer sums are exact, so every kernel gives the
 //! same values as tract's own `MatMulInteger`, which this replaces (SmolLM2 int8 decoded at
 //! 0.6x transformers.js with it: its int32 kernel computes a 4x4 tile for the single row of a
@@ -982,10 +982,11 @@ mod kernels {
         }
         let pairs_k = k / 2;
         let pairs = pairs_of(a, rows, k);
-        let blocks = n / 16;
+        // Sixteen columns (four blocks) at a time, as `rows` takes its blocks of sixteen.
+        let sixteens = n / 16;
         let mut wide = vec![i32x4_splat(0); 4 * pairs_k * GROUP];
-        for first in (0..blocks).step_by(GROUP) {
-            let count = GROUP.min(blocks - first);
+        for first in (0..sixteens).step_by(GROUP) {
+            let count = GROUP.min(sixteens - first);
             for g in 0..count {
                 // Sixteen columns' two halves in `wide` (`wide_index`): quad q's pairs of rows
                 // 2q and 2q + 1 are vectors 4q..4q + 4 of each, columns 0..8 in the first.
