@@ -1161,8 +1161,8 @@ mod tests {
 
     /// Quad `q` of block `b` holds `B[4 q + i, 4 b + c]` at `block_byte(c, i)`, each value
     /// once: read as i16, the even columns' bytes are the low ones and unsigned, the odd
-    /// columns' the high ones and signed (`B`'s signed bytes of even columns and unsigned
-    /// bytes of odd columns less 128), columns 0 and 1 in the quad's first eight bytes.
+    /// columns' the high ones and signed (`B`'s signed bytes of even columns plus 128, its
+    /// unsigned bytes of odd columns less 128), columns 0 and 1 in the quad's first eight bytes.
     #[test]
     fn blocks_put_every_byte_in_its_place() {
         let (k, n) = (8, 32);
