@@ -716,10 +716,10 @@ fn f16_kernels_match_the_f32_kernels() {
 
 /// The simd128 int8 kernels of `MatMulInteger` (`model::ops::matmul_integer`) give the exact
 /// integer sums: signed and unsigned weights, K odd or not a multiple of four (the rows the
-/// one-row kernel leaves to the portable one), N not a multiple of 16 (and over four blocks of
-/// 16, the prompt kernel's group), one row (decoding) to thirteen (a prompt: passes of six rows
-/// and every shorter last pass); the weight as it lies and, where the shape fits, in blocks
-/// (five blocks: a group and one more). The last shape holds the extremes only (`A - a_zero`
+/// one-row kernel leaves to the portable one), N not a multiple of 16 (and over 64 columns, the
+/// prompt kernel's group), one row (decoding) to thirteen (a prompt: passes of six rows and
+/// every shorter last pass); the weight as it lies and, where the shape fits, in blocks (20
+/// blocks of four columns for N = 80: five groups of four read side by side). The last shape holds the extremes only (`A - a_zero`
 /// of -255 and 255, weight bytes 0x80, 0x7f and 0xff read signed and unsigned): the largest
 /// products and sums a kernel must hold.
 #[wasm_bindgen_test]
