@@ -5,7 +5,9 @@
 //! an int8 copy of the weight, one scale per row, gives an upper bound of every logit: the
 //! loop then computes exactly only the logits whose bound can win (`generate.rs`); with
 //! q4 SmolLM2 1 to 10 of 49,152 a step (a median of 2). The int8 pass reads 28 MB instead of
-//! the f32 head's 113 MB: about 4 ms against 11-14 ms of a q4 step in wasm.
+//! the f32 head's 113 MB, with `matmul_integer`'s decoding kernels (the copy is laid out as
+//! their weight): in wasm (Node 20, a 2-core AMD EPYC) 1.0-1.2 ms for SmolLM2's head read
+//! over and over, where the pass's own kernel took 1.4 at best (`bench/HISTORY.md`).
 //!
 //! The bound of logit `j` for the input `x` (`L_j`, the f32 kernel's value of `x . w_j`):
 //! - `x` is rounded to integers `X_i` with the scale `sx` (`|x_i - sx X_i| <= dx`), row `j` of
@@ -23,9 +25,9 @@ use tract_onnx::prelude::*;
 
 use crate::decoder::Head;
 use crate::error::{backend, Error, Result};
-use crate::model::ops::linalg::side_by_side;
+use crate::model::ops::matmul_integer::{self, block_byte, fits_blocks, flipped, matvec, Bytes};
 use crate::model::ops::matmul_weights::{one_output, product, Layout, Weights};
-use crate::model::ops::{parallel, streams};
+use crate::model::ops::parallel;
 
 /// A `MatMulWeights` at the end of a decoder, with its weight.
 #[derive(Debug)]
@@ -74,19 +76,13 @@ impl LmHead {
     /// With the `threads` feature the rows are split across the threads.
     pub fn bounds(&self, hidden: &[f32], out: &mut [f32]) -> Result<bool> {
         let parts = parallel::parts_for(self.op.k * self.op.n);
-        self.bounds_in_parts(hidden, out, parts, streams::head_count())
+        self.bounds_in_parts(hidden, out, parts)
     }
 
     /// [`LmHead::bounds`] with the int8 copy (when this call makes it) and the bounds computed
-    /// in `parts` ranges of rows (`parallel`), each range's panels read four side by side
-    /// (`streams` 4) or one at a time (1): the same values for any `parts` and `streams`.
-    pub fn bounds_in_parts(
-        &self,
-        hidden: &[f32],
-        out: &mut [f32],
-        parts: usize,
-        streams: usize,
-    ) -> Result<bool> {
+    /// in `parts` ranges of whole pieces of the copy (`parallel`): the same values for any
+    /// `parts`.
+    pub fn bounds_in_parts(&self, hidden: &[f32], out: &mut [f32], parts: usize) -> Result<bool> {
         let (k, n) = (self.op.k, self.op.n);
         if hidden.len() != k || out.len() != n {
             return Err(Error::Backend(format!(
@@ -104,40 +100,18 @@ impl LmHead {
         let Some(x) = QuantizedInput::of(hidden) else {
             return Ok(false);
         };
-        let bound_of = |j: usize, i: i32| {
-            bound(
-                x.scale * rows.scale[j],
-                i,
-                x.rounding * rows.p[j] + x.l1 * rows.r[j],
-            )
-        };
-        // Ranges of a multiple of four rows, so that each four lie in one block of the copy.
-        // With panels, four panels a quarter of the range apart at once (`dot_i8x4_streams`),
-        // or one at a time where that is faster on this machine (`streams`).
-        let four_at_once = panels(k) && streams > 1;
-        parallel::by_columns(out, 1, n, 4, parts, |cols, piece| {
-            let rows_of = |c: usize| {
-                let first = cols.start + 4 * c;
-                rows.rows(first, 4.min(cols.end - first), k)
-            };
-            let len = piece.len();
-            let mut put = |c: usize, sums: [i32; 4]| {
-                let end = (4 * c + 4).min(len);
-                for (r, (o, i)) in piece[4 * c..end].iter_mut().zip(sums).enumerate() {
-                    *o = bound_of(cols.start + 4 * c + r, i);
+        parallel::by_columns(out, 1, n, PIECE_ROWS, parts, |cols, out| {
+            let mut sums = [0i32; PIECE_ROWS];
+            for (first, out) in cols.step_by(PIECE_ROWS).zip(out.chunks_mut(PIECE_ROWS)) {
+                let sums = &mut sums[..out.len()];
+                rows.sums(first / PIECE_ROWS, &x.values, k, sums);
+                // Slices of the rows' terms, so that LLVM vectorizes the loop.
+                let at = first..first + out.len();
+                let (scale, p, r) = (&rows.scale[at.clone()], &rows.p[at.clone()], &rows.r[at]);
+                let each = out.iter_mut().zip(sums.iter()).zip(scale).zip(p).zip(r);
+                for ((((o, &i), &s), &p), &r) in each {
+                    *o = bound(x.scale * s, i, x.rounding * p + x.l1 * r);
                 }
-            };
-            // Whole panels four at a time; then the rest, a last partial four included.
-            let (groups, rest) = side_by_side::<4>(if four_at_once { len / 4 } else { 0 });
-            for four in groups {
-                let sums = dot_i8x4_streams(&x.values, four.map(rows_of));
-                for (c, sums) in four.into_iter().zip(sums) {
-                    put(c, sums);
-                }
-            }
-            for c in rest.start..len.div_ceil(4) {
-                let panel = panels(k) && 4 * c + 4 <= len;
-                put(c, dot_i8x4(&x.values, rows_of(c), panel));
             }
         });
         self.round_to_type(out);
@@ -183,11 +157,12 @@ fn bound(scale: f32, i: i32, slack: f32) -> f32 {
 /// The weight rounded to int8, one scale per row, with each row's terms of the bound.
 #[derive(Debug)]
 struct Int8Rows {
-    /// `[n, k]` (whatever the weight's layout), in blocks of `BLOCK_ROWS` rows: pieces that
+    /// The `n` rows (whatever the weight's layout) in pieces of `PIECE_ROWS` rows, pieces that
     /// fit in the holes the load leaves in the heap, where one allocation of the whole would
-    /// grow the memory by all of it. Row-major, or (`panels(k)`) each four rows `4p..4p + 4`
-    /// (the last `n % 4` rows stay rows) interleaved sixteen values at a time:
-    /// `[n / 4, k / 16, 4, 16]`, so that `dot_i8x4` reads one stream, not four.
+    /// grow the memory by all of it. A piece of `count` rows is the int8 weight `[k, count]`
+    /// of `matmul_integer` (the rows its columns), so that its decoding kernels compute the
+    /// sums: its first [`blocked`] columns in blocks (`Layout::Blocks`, read at the memory's
+    /// speed), then the others as they lie (`Layout::Rows`, `[k, count - blocked]`).
     q: Vec<Vec<i8>>,
     /// `s_j`: `max |w_j| / 127`.
     scale: Vec<f32>,
@@ -197,78 +172,100 @@ struct Int8Rows {
     r: Vec<f32>,
 }
 
-/// Rows of a block of `Int8Rows::q` (a multiple of four, so that `dot_i8x4`'s rows lie in one).
-const BLOCK_ROWS: usize = 512;
+/// Rows of a piece of `Int8Rows::q`; the bound pass splits the rows between threads in whole
+/// pieces.
+const PIECE_ROWS: usize = 512;
 
-/// Whether rows of `k` values go in panels (`Int8Rows::q`).
-fn panels(k: usize) -> bool {
-    k.is_multiple_of(16)
+/// The rows of a piece of `count` rows of `k` values that go in blocks: all but the last
+/// `count % 16`, when `k` is a multiple of 4 (`matmul_integer::fits_blocks`).
+fn blocked(k: usize, count: usize) -> usize {
+    if fits_blocks(k, 16) {
+        count / 16 * 16
+    } else {
+        0
+    }
 }
 
 impl Int8Rows {
-    /// Rows `first..first + count` (within one block).
-    fn rows(&self, first: usize, count: usize, k: usize) -> &[i8] {
-        let at = first % BLOCK_ROWS * k;
-        &self.q[first / BLOCK_ROWS][at..at + count * k]
+    /// `sum_i x_i Q_ji` for the rows `j` of piece `piece` into `out` (one per row), exact
+    /// (`QuantizedInput` keeps them within i32).
+    fn sums(&self, piece: usize, x: &[i16], k: usize, out: &mut [i32]) {
+        use matmul_integer::Layout::{Blocks, Rows};
+        let count = out.len();
+        let blocked = blocked(k, count);
+        let (in_blocks, as_rows) = self.q[piece].split_at(blocked * k);
+        // The kernels of the weight as it lies add to `out`.
+        out.fill(0);
+        let (out_blocks, out_rows) = out.split_at_mut(blocked);
+        if blocked > 0 {
+            matvec(x, Bytes::I8(in_blocks), k, blocked, Blocks, out_blocks);
+        }
+        if count > blocked {
+            matvec(x, Bytes::I8(as_rows), k, count - blocked, Rows, out_rows);
+        }
     }
 
-    /// The copy of `weight`, its blocks made in `parts` ranges (`parallel`).
+    /// The copy of `weight`, its pieces made in `parts` ranges (`parallel`).
     fn of(op: &Weights, weight: &Tensor, parts: usize) -> Option<Int8Rows> {
-        let blocks = op.n.div_ceil(BLOCK_ROWS);
-        let made: Option<Vec<Vec<Int8Rows>>> = parallel::map_ranges(blocks, parts, 1, |range| {
-            range.map(|b| Int8Rows::block(op, weight, b)).collect()
+        let pieces = op.n.div_ceil(PIECE_ROWS);
+        let made: Option<Vec<Vec<Int8Rows>>> = parallel::map_ranges(pieces, parts, 1, |range| {
+            range.map(|b| Int8Rows::piece(op, weight, b)).collect()
         })
         .into_iter()
         .collect();
         let mut rows = Int8Rows {
-            q: Vec::with_capacity(blocks),
+            q: Vec::with_capacity(pieces),
             scale: Vec::with_capacity(op.n),
             p: Vec::with_capacity(op.n),
             r: Vec::with_capacity(op.n),
         };
-        for block in made?.into_iter().flatten() {
-            rows.q.extend(block.q);
-            rows.scale.extend(block.scale);
-            rows.p.extend(block.p);
-            rows.r.extend(block.r);
+        for piece in made?.into_iter().flatten() {
+            rows.q.extend(piece.q);
+            rows.scale.extend(piece.scale);
+            rows.p.extend(piece.p);
+            rows.r.extend(piece.r);
         }
         Some(rows)
     }
 
-    /// Block `b` of the copy (rows `b * BLOCK_ROWS..`, at most `BLOCK_ROWS` of them), as one
-    /// `Int8Rows` of one block; `None` when a weight is not finite.
-    fn block(op: &Weights, weight: &Tensor, b: usize) -> Option<Int8Rows> {
+    /// Piece `b` of the copy (rows `b * PIECE_ROWS..`, at most `PIECE_ROWS` of them), as one
+    /// `Int8Rows` of one piece; `None` when a weight is not finite.
+    fn piece(op: &Weights, weight: &Tensor, b: usize) -> Option<Int8Rows> {
         let (k, n) = (op.k, op.n);
-        let first = b * BLOCK_ROWS;
-        let count = (n - first).min(BLOCK_ROWS);
+        let first = b * PIECE_ROWS;
+        let count = (n - first).min(PIECE_ROWS);
+        let blocked = blocked(k, count);
         let mut q = vec![0i8; count * k];
         let (mut scale, mut p, mut r) = (vec![0f32; count], vec![0f32; count], vec![0f32; count]);
         let mut row = vec![0f32; k];
-        let mut values = vec![0i8; k];
+        // Four rows' values, placed in their block once the fourth is rounded.
+        let mut four = vec![0i8; 4 * k];
         let gamma = 2.0 * k as f64 * U;
-        let in_panels = if panels(k) { count / 4 * 4 } else { 0 };
         for at in 0..count {
             let w = weight_row(op, weight, first + at, &mut row)?;
             let max = max_abs(w)?;
+            let values = &mut four[at % 4 * k..(at % 4 + 1) * k];
             // `w / s` rounded to the nearest integer, within `2^-22` of it in f32: each
             // weight is within `s (1/2 + 2^-15)` of `s Q` (`e_j`). A row too small for that
             // relative error (subnormal scales) becomes zeros, within `max` of the weights.
             let (s, err, l1) = if max >= TINY {
                 let s = max / 127.0;
-                let l1 = quantize_row(w, 1.0 / s, &mut values);
+                let l1 = quantize_row(w, 1.0 / s, values);
                 (s, s as f64 * (0.5 + 1.0 / 32768.0), l1)
             } else {
                 values.fill(0);
                 (0.0, max as f64, 0)
             };
-            if at < in_panels {
-                let panel = &mut q[at / 4 * 4 * k..(at / 4 + 1) * 4 * k];
-                for (c, v) in values.chunks_exact(16).enumerate() {
-                    let to = 64 * c + 16 * (at % 4);
-                    panel[to..to + 16].copy_from_slice(v);
+            if at < blocked {
+                if at % 4 == 3 {
+                    to_block(&four, k, &mut q[(at - 3) * k..(at + 1) * k]);
                 }
             } else {
-                q[at * k..(at + 1) * k].copy_from_slice(&values);
+                // Column `at - blocked` of the `[k, count - blocked]` rest.
+                let rest = &mut q[blocked * k..];
+                for (i, &v) in values.iter().enumerate() {
+                    rest[i * (count - blocked) + at - blocked] = v;
+                }
             }
             scale[at] = s;
             p[at] = up(s as f64 * l1 as f64);
@@ -280,6 +277,28 @@ impl Int8Rows {
             p,
             r,
         })
+    }
+}
+
+/// Four rows of `k` int8 values (`four`, one after the other) into `block` as the four
+/// columns of one block of `matmul_integer`'s `Layout::Blocks` (`k` a multiple of 4).
+fn to_block(four: &[i8], k: usize, block: &mut [i8]) {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    let from = kernels::to_block(four, k, block);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    let from = 0;
+    to_block_from(four, k, from, block);
+}
+
+/// [`to_block`]'s quads from `from` on (the portable kernel, and the simd128 one's tail).
+fn to_block_from(four: &[i8], k: usize, from: usize, block: &mut [i8]) {
+    for q in from..k / 4 {
+        for c in 0..4 {
+            for i in 0..4 {
+                let v = four[c * k + 4 * q + i] as u8 ^ flipped(c, true);
+                block[16 * q + block_byte(c, i)] = v as i8;
+            }
+        }
     }
 }
 
@@ -332,7 +351,8 @@ impl QuantizedInput {
         if !x.iter().all(|v| v.is_finite()) {
             return None;
         }
-        // The integer sums stay within i32: `k * 127 * limit < 2^31`.
+        // The integer sums stay within i32: `k * 127 * limit < 2^31` (`matmul_integer`'s
+        // kernels add in wrapping arithmetic, so their partial sums may wrap, not the last).
         let limit = (i32::MAX as usize / (127 * x.len().max(1))).min(i16::MAX as usize) as f32;
         let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         let scale = if max > 0.0 { max / limit } else { 1.0 };
@@ -398,90 +418,43 @@ fn quantize_values(w: &[f32], inv: f32, q: &mut [i8]) -> u32 {
     l1
 }
 
-/// `sum_i x_i q_ri` for the rows `r` of `q` (`q.len() / x.len()` of them, at most four; the
-/// others 0), exact (the caller keeps them within i32). With `panel`, `q` is four rows in
-/// the panel layout (`Int8Rows::q`; `x.len()` a multiple of 16).
-fn dot_i8x4(x: &[i16], q: &[i8], panel: bool) -> [i32; 4] {
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-    {
-        kernels::dot_i8x4(x, q, panel)
-    }
-    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-    {
-        let len = x.len().max(1);
-        let at = |r: usize, i: usize| {
-            if panel {
-                i / 16 * 64 + 16 * r + i % 16
-            } else {
-                r * len + i
-            }
-        };
-        let mut out = [0i32; 4];
-        for (r, o) in out.iter_mut().enumerate().take(q.len() / len) {
-            *o = x
-                .iter()
-                .enumerate()
-                .map(|(i, &a)| a as i32 * q[at(r, i)] as i32)
-                .sum();
-        }
-        out
-    }
-}
-
-/// [`dot_i8x4`] of four panels (`x.len()` a multiple of 16) read side by side: four
-/// sequential reads keep more of memory's lines in flight than one. q4 SmolLM2 in Node: 14.9-16.4
-/// ms a token against 15.9-17.7 with one panel at a time (each run of panels read into the
-/// cache first).
-fn dot_i8x4_streams(x: &[i16], panels: [&[i8]; 4]) -> [[i32; 4]; 4] {
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-    {
-        kernels::dot_panels(x, panels)
-    }
-    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-    {
-        panels.map(|q| dot_i8x4(x, q, true))
-    }
-}
-
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 mod kernels {
     use core::arch::wasm32::*;
 
-    /// `dot_i8x4_streams` with simd128: sixteen values of `x` loaded once for the sixteen rows
-    /// of the four panels, each row's sum in one i32x4.
-    pub fn dot_panels(x: &[i16], panels: [&[i8]; 4]) -> [[i32; 4]; 4] {
-        let len = x.len();
-        assert!(
-            len.is_multiple_of(16) && panels.iter().all(|q| q.len() >= 4 * len),
-            "dot_panels: panels of four rows of {len}"
-        );
-        let xp = x.as_ptr();
-        let qp = panels.map(|q| q.as_ptr());
-        let mut acc = [[i32x4_splat(0); 4]; 4];
-        for c in 0..len / 16 {
-            // SAFETY: x[16c..16c+16] and each panel's values 64c..64c+64 lie within the
-            // lengths asserted above; v128_load accepts unaligned addresses.
+    /// `to_block` with simd128, sixteen values of each row at a time (four quads): the
+    /// bytes of rows 0 and 1, and of rows 2 and 3, interleaved, each quad's halves taken from
+    /// both, the even columns' top bits flipped. Returns the quads done.
+    pub fn to_block(four: &[i8], k: usize, block: &mut [i8]) -> usize {
+        assert!(four.len() >= 4 * k && block.len() >= 4 * k);
+        let flip = u16x8_splat(super::flipped(0, true) as u16);
+        for t in 0..k / 16 {
+            // SAFETY: values 16t..16t + 16 of each row lie within 4k values of `four`, and
+            // the quads 4t..4t + 4 (bytes 64t..64t + 64) within 4k bytes of `block`;
+            // v128_load and v128_store accept unaligned addresses.
             unsafe {
-                let x0 = v128_load(xp.add(16 * c) as *const v128);
-                let x1 = v128_load(xp.add(16 * c + 8) as *const v128);
-                for (acc, qp) in acc.iter_mut().zip(&qp) {
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let w = v128_load(qp.add(16 * (4 * c + r)) as *const v128);
-                        let lo = i32x4_dot_i16x8(x0, i16x8_extend_low_i8x16(w));
-                        let hi = i32x4_dot_i16x8(x1, i16x8_extend_high_i8x16(w));
-                        *acc = i32x4_add(*acc, i32x4_add(lo, hi));
-                    }
+                let [r0, r1, r2, r3] = [0, 1, 2, 3]
+                    .map(|c| v128_load(four.as_ptr().add(c * k + 16 * t) as *const v128));
+                let p01 = i8x16_shuffle::<0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23>;
+                let p89 =
+                    i8x16_shuffle::<8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31>;
+                let (lo01, hi01, lo23, hi23) = (p01(r0, r1), p89(r0, r1), p01(r2, r3), p89(r2, r3));
+                let first = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23>;
+                let second =
+                    i8x16_shuffle::<8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31>;
+                let quads = [
+                    first(lo01, lo23),
+                    second(lo01, lo23),
+                    first(hi01, hi23),
+                    second(hi01, hi23),
+                ];
+                let out = block.as_mut_ptr().add(64 * t) as *mut v128;
+                for (i, quad) in quads.into_iter().enumerate() {
+                    v128_store(out.add(i), v128_xor(quad, flip));
                 }
             }
         }
-        acc.map(|acc| {
-            acc.map(|a| {
-                i32x4_extract_lane::<0>(a)
-                    + i32x4_extract_lane::<1>(a)
-                    + i32x4_extract_lane::<2>(a)
-                    + i32x4_extract_lane::<3>(a)
-            })
-        })
+        k / 16 * 4
     }
 
     /// The portable `max_abs` with simd128 (`f32x4.max` gives NaN for a NaN, so one test at
@@ -537,71 +510,5 @@ mod kernels {
             + i32x4_extract_lane::<2>(sums)
             + i32x4_extract_lane::<3>(sums)) as u32;
         l1 + super::quantize_values(&w[chunks * 16..len], inv, &mut q[chunks * 16..len])
-    }
-
-    /// `dot_i8x4` with simd128: sixteen values of `x` loaded once for the rows, each row's
-    /// sixteen weights widened to two i16x8 and multiplied pairwise into i32 lanes
-    /// (`i32x4.dot_i16x8_s`); two sums a row, eight independent ones for four rows.
-    pub fn dot_i8x4(x: &[i16], q: &[i8], panel: bool) -> [i32; 4] {
-        let len = x.len();
-        let rows = q.len().checked_div(len).unwrap_or(0).min(4);
-        if rows < 4 {
-            let mut out = [0i32; 4];
-            for (r, o) in out.iter_mut().enumerate().take(rows) {
-                *o = dot_rows::<1, false>(x, &q[r * len..(r + 1) * len])[0];
-            }
-            return out;
-        }
-        if panel {
-            dot_rows::<4, true>(x, q)
-        } else {
-            dot_rows::<4, false>(x, q)
-        }
-    }
-
-    /// Sixteen values of row `r` from value `16c` lie at `16c * R + 16r` in a panel of `R`
-    /// rows, at `r len + 16c` in rows (with the tail of each row, `len % 16` values, only
-    /// there).
-    #[inline(always)]
-    fn dot_rows<const R: usize, const PANEL: bool>(x: &[i16], q: &[i8]) -> [i32; 4] {
-        let len = x.len();
-        assert!(
-            q.len() >= R * len,
-            "dot_i8x4: {} weights for {R} rows of {len}",
-            q.len()
-        );
-        let chunks = len / 16;
-        let (xp, qp) = (x.as_ptr(), q.as_ptr());
-        let mut acc = [[i32x4_splat(0); 2]; R];
-        for c in 0..chunks {
-            // SAFETY: x[16c..16c+16] and each row's q[16c..16c+16] lie within the lengths
-            // asserted above; v128_load accepts unaligned addresses.
-            unsafe {
-                let x0 = v128_load(xp.add(16 * c) as *const v128);
-                let x1 = v128_load(xp.add(16 * c + 8) as *const v128);
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let at = if PANEL {
-                        16 * (c * R + r)
-                    } else {
-                        r * len + 16 * c
-                    };
-                    let w = v128_load(qp.add(at) as *const v128);
-                    acc[0] = i32x4_add(acc[0], i32x4_dot_i16x8(x0, i16x8_extend_low_i8x16(w)));
-                    acc[1] = i32x4_add(acc[1], i32x4_dot_i16x8(x1, i16x8_extend_high_i8x16(w)));
-                }
-            }
-        }
-        let mut out = [0i32; 4];
-        for (r, (o, acc)) in out.iter_mut().zip(&acc).enumerate() {
-            let a = i32x4_add(acc[0], acc[1]);
-            *o = i32x4_extract_lane::<0>(a)
-                + i32x4_extract_lane::<1>(a)
-                + i32x4_extract_lane::<2>(a)
-                + i32x4_extract_lane::<3>(a);
-            for i in chunks * 16..len {
-                *o += x[i] as i32 * q[r * len + i] as i32;
-            }
-        }
-        out
     }
 }

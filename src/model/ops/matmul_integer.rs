@@ -613,6 +613,12 @@ pub fn matmul(
     matmul_in_parts(a, rows, w, k, n, layout, out, parts)
 }
 
+/// [`matmul`] of one row on the calling thread, for a caller that splits the columns itself
+/// (the `lm_head`'s bound pass, `lm_head`).
+pub(crate) fn matvec(a: &[i16], w: Bytes, k: usize, n: usize, layout: Layout, out: &mut [i32]) {
+    matmul_in_parts(a, 1, w, k, n, layout, out, 1)
+}
+
 /// [`matmul`] with the output columns split in `parts` ranges of whole sixteen columns
 /// (integer sums: the same values for any split).
 #[allow(clippy::too_many_arguments)]

@@ -1,6 +1,6 @@
-//! How many parts of a weight the decoding kernels read side by side: four ([`STREAMS`]), or
-//! one on machines where one stream decodes faster, as timed on each decoder's first decoding
-//! steps; chosen apart for the layers' products and for the `lm_head`'s bound pass.
+//! How many parts of a weight the layers' decoding kernels (f16 rows, f32 panels) read side
+//! by side: four ([`STREAMS`]), or one on machines where one stream decodes faster, as timed
+//! on each decoder's first decoding steps.
 //!
 //! Four sequential reads at once keep more of memory's lines in flight than one, which the
 //! kernels with much arithmetic per byte need where memory is slow: on a 2-core Intel Xeon
@@ -9,49 +9,27 @@
 //! side by side need four sets of sums, more than the sixteen simd registers of x86-64 hold
 //! (the f32 panel kernel keeps 32): on a 2-core AMD EPYC (Zen 4, 22-31 GB/s) one stream
 //! decoded fp32 SmolLM2 in 24.4-25.7 ms a token against 27.2-30.1, and int8 in 10.8-11.5
-//! against 13.0-14.5 while its block kernel kept 32 (it now keeps 8 and always reads four
-//! blocks: `matmul_integer`) (Node 20, alternating processes). On the same
-//! EPYC the `lm_head`'s bound pass over its int8 copy (`lm_head`) was faster as one stream
-//! for every file, fp16's included, whose layers were faster with four: a package whose
-//! pass read one stream decoded q4 in 12.6-13.1 ms a token against 14.1-14.5, int8 in
-//! 10.1-10.8 against 11.0-11.6 and fp16 in 17.6-18.1 against 18.5-19.9. The counts change
-//! where the kernels read, not what they add: each row's or column's sum is added in the same
-//! order either way, so tokens and scores do not depend on them.
+//! against 13.0-14.5 while its block kernel kept 32 (Node 20, alternating processes). The
+//! kernels of `matmul_integer`'s blocks, which the int8 layers and the `lm_head`'s bound pass
+//! (`lm_head`) read, keep their sums in eight registers and always read four blocks. The count
+//! changes where the kernels read, not what they add: each row's or column's sum is added in
+//! the same order either way, so tokens and scores do not depend on it.
 //!
-//! Each decoder chooses for itself among [`CANDIDATES`]: its first decoding steps of one row
-//! take them in turn; once each has [`SAMPLES`] timed steps (after [`WARM_UP`] rounds, while
-//! the engine compiles the kernels' optimised code), the one with the fastest median step is
-//! kept where it is [`MARGIN`] faster than four streams for both, and four for both
-//! otherwise, for the decoder's life. Where no clock advances during a step (a Cloudflare
-//! Worker's clock stands still between its I/O), four is kept.
+//! Each decoder chooses for itself between the two: its first decoding steps of one row take
+//! them in turn; once each has [`SAMPLES`] timed steps (after [`WARM_UP`] rounds, while the
+//! engine compiles the kernels' optimised code), one stream is kept where its median step is
+//! [`MARGIN`] faster than four's, and four otherwise, for the decoder's life. Where no clock
+//! advances during a step (a Cloudflare Worker's clock stands still between its I/O), four is
+//! kept.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use super::linalg::STREAMS;
 
-/// Parts of a weight read side by side by the layers' products (f16 rows, f32 panels) and by
-/// the `lm_head`'s bound pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Reads {
-    pub layers: usize,
-    pub head: usize,
-}
-
-/// What a decoder's steps may read with, four streams for both first (kept unless another is
-/// clearly faster). One stream for the layers and four for the `lm_head` is left out: where
-/// the layers' kernels were faster with one, so was the bound pass.
-const CANDIDATES: [Reads; 3] = [
-    Reads {
-        layers: STREAMS,
-        head: STREAMS,
-    },
-    Reads { layers: 1, head: 1 },
-    Reads {
-        layers: STREAMS,
-        head: 1,
-    },
-];
+/// What a decoder's steps may read with, four streams first (kept unless one is clearly
+/// faster).
+const CANDIDATES: [usize; 2] = [STREAMS, 1];
 
 /// Rounds of the candidates run before the timed ones.
 const WARM_UP: usize = 2;
@@ -63,35 +41,28 @@ const MARGIN: f64 = 0.95;
 /// than this share of four streams' slowest (on the Xeon above, twice as long).
 const CLEARLY_SLOWER: f64 = 1.2;
 
-/// The counts the decoding kernels read with during the step that runs now; [`STREAMS`]
-/// outside [`Choice::decoding_step`] (prompts, batches, encoders: their kernels read no weight
-/// side by side). One for the process, as the parts of a step's products run on the threads
-/// of its team; steps of two decoders on two threads at once (natively) share them, which can
-/// slow one of them, never change its sums.
+/// The count the layers' decoding kernels read with during the step that runs now;
+/// [`STREAMS`] outside [`Choice::decoding_step`] (prompts, batches, encoders: their kernels
+/// read no weight side by side). One for the process, as the parts of a step's products run
+/// on the threads of its team; steps of two decoders on two threads at once (natively) share
+/// it, which can slow one of them, never change its sums.
 static LAYERS: AtomicUsize = AtomicUsize::new(STREAMS);
-static HEAD: AtomicUsize = AtomicUsize::new(STREAMS);
 
 /// Parts of a weight the layers' decoding kernels read side by side now: [`STREAMS`] or 1.
 pub(crate) fn count() -> usize {
     LAYERS.load(Ordering::Relaxed)
 }
 
-/// Parts of its int8 copy the `lm_head`'s bound pass reads side by side now.
-pub(crate) fn head_count() -> usize {
-    HEAD.load(Ordering::Relaxed)
+fn set(reads: usize) {
+    LAYERS.store(reads, Ordering::Relaxed);
 }
 
-fn set(reads: Reads) {
-    LAYERS.store(reads.layers, Ordering::Relaxed);
-    HEAD.store(reads.head, Ordering::Relaxed);
-}
-
-/// A decoder's counts, chosen on its first decoding steps (module docs).
+/// A decoder's count, chosen on its first decoding steps (module docs).
 #[derive(Debug, Default)]
 pub(crate) struct Choice(Mutex<Tuner>);
 
 impl Choice {
-    /// Runs a decoding step of one row with this decoder's counts, timed while they are being
+    /// Runs a decoding step of one row with this decoder's count, timed while it is being
     /// chosen.
     pub(crate) fn decoding_step<R>(&self, step: impl FnOnce() -> R) -> R {
         let (reads, timed) = {
@@ -134,7 +105,7 @@ struct Tuner {
     times: [Vec<f64>; N],
     /// Candidates no longer tried (clearly slower).
     dropped: [bool; N],
-    chosen: Option<Reads>,
+    chosen: Option<usize>,
 }
 
 impl Tuner {
@@ -230,11 +201,11 @@ fn now_ms() -> Option<f64> {
 mod tests {
     use super::*;
 
-    const FOUR: Reads = CANDIDATES[0];
+    const FOUR: usize = CANDIDATES[0];
 
-    /// Feeds a tuner steps whose times `time(reads)` gives until it chooses; returns the
+    /// Feeds a tuner steps whose times `time(count)` gives until it chooses; returns the
     /// choice and the steps it took.
-    fn run(mut time: impl FnMut(Reads) -> Option<f64>) -> (Reads, usize) {
+    fn run(mut time: impl FnMut(usize) -> Option<f64>) -> (usize, usize) {
         let mut tuner = Tuner::default();
         while tuner.chosen.is_none() {
             let c = tuner.next();
@@ -244,50 +215,28 @@ mod tests {
         (tuner.chosen.unwrap(), tuner.steps)
     }
 
-    /// A step's time: 10 ms with four streams for both, plus `layers` ms where the layers
-    /// read one, plus `head` ms where the `lm_head` reads one.
-    fn step(layers: f64, head: f64) -> impl FnMut(Reads) -> Option<f64> {
-        move |r| {
-            let one = |count: usize, ms: f64| if count == 1 { ms } else { 0.0 };
-            Some(10.0 + one(r.layers, layers) + one(r.head, head))
-        }
+    /// A step's time: 10 ms with four streams, plus `one` ms with one.
+    fn step(one: f64) -> impl FnMut(usize) -> Option<f64> {
+        move |count| Some(10.0 + if count == 1 { one } else { 0.0 })
     }
 
     #[test]
     fn keeps_one_stream_where_it_is_faster() {
-        let (reads, steps) = run(step(-1.0, -0.5));
-        assert_eq!(reads, Reads { layers: 1, head: 1 });
+        let (reads, steps) = run(step(-1.0));
+        assert_eq!(reads, 1);
         assert_eq!(steps, N * (WARM_UP + SAMPLES));
     }
 
     #[test]
-    fn keeps_one_stream_for_the_head_alone_where_only_it_is_faster() {
-        assert_eq!(run(step(1.0, -1.0)).0, Reads { layers: 4, head: 1 });
-    }
-
-    #[test]
     fn keeps_four_where_one_is_not_clearly_faster() {
-        assert_eq!(run(step(-0.2, -0.2)).0, FOUR);
-        assert_eq!(run(step(0.5, 0.5)).0, FOUR);
+        assert_eq!(run(step(-0.2)).0, FOUR);
+        assert_eq!(run(step(0.5)).0, FOUR);
     }
 
     #[test]
     fn stops_early_where_one_is_clearly_slower() {
-        let (reads, steps) = run(step(10.0, 5.0));
+        let (reads, steps) = run(step(10.0));
         assert_eq!((reads, steps), (FOUR, N * (WARM_UP + 2)));
-    }
-
-    /// A candidate clearly slower is dropped; the others go on to their samples.
-    #[test]
-    fn drops_the_clearly_slower_and_goes_on() {
-        let mut tried = [0; N];
-        let (reads, steps) = run(|r| {
-            tried[CANDIDATES.iter().position(|&c| c == r).unwrap()] += 1;
-            step(10.0, -1.0)(r)
-        });
-        assert_eq!(reads, Reads { layers: 4, head: 1 });
-        assert_eq!(tried, [WARM_UP + SAMPLES, WARM_UP + 2, WARM_UP + SAMPLES]);
-        assert_eq!(steps, tried.iter().sum::<usize>());
     }
 
     /// The first steps (the engine's code still compiling) do not count: one stream's warm-up
@@ -295,32 +244,32 @@ mod tests {
     #[test]
     fn warm_up_steps_are_not_timed() {
         let mut steps = 0;
-        let (reads, _) = run(|r| {
+        let (reads, _) = run(|count| {
             steps += 1;
-            Some(if r == FOUR || steps <= N * WARM_UP {
+            Some(if count == FOUR || steps <= N * WARM_UP {
                 50.0
             } else {
                 10.0
             })
         });
-        assert_ne!(reads, FOUR);
+        assert_eq!(reads, 1);
     }
 
     /// The medians decide, not one odd step.
     #[test]
     fn an_outlier_does_not_decide() {
         let mut ones = 0;
-        let (reads, _) = run(|r| {
-            if r.layers == 1 {
+        let (reads, _) = run(|count| {
+            if count == 1 {
                 ones += 1;
             }
-            Some(match r.layers {
+            Some(match count {
                 1 if ones == WARM_UP + 3 => 40.0,
                 1 => 10.0,
                 _ => 12.0,
             })
         });
-        assert_eq!(reads, Reads { layers: 1, head: 1 });
+        assert_eq!(reads, 1);
     }
 
     #[test]
@@ -330,23 +279,21 @@ mod tests {
         assert_eq!(run(|_| Some(0.0)), (FOUR, 1));
     }
 
-    /// A decoder's steps run with its counts; others with four.
+    /// A decoder's steps run with its count; others with four.
     #[test]
-    fn steps_run_with_the_chosen_counts() {
-        let counts = || (count(), head_count());
+    fn steps_run_with_the_chosen_count() {
         let choice = Choice::default();
-        choice.lock().chosen = Some(CANDIDATES[2]);
-        assert_eq!(choice.decoding_step(counts), (STREAMS, 1));
+        choice.lock().chosen = Some(1);
+        assert_eq!(choice.decoding_step(count), 1);
         assert_eq!(choice.lock().steps, 0);
-        assert_eq!(counts(), (STREAMS, STREAMS));
-        // While they are being chosen, each candidate in turn (steps that take time on the
+        assert_eq!(count(), STREAMS);
+        // While it is being chosen, each candidate in turn (steps that take time on the
         // clock).
         let fresh = Choice::default();
         let step = || {
             std::thread::sleep(std::time::Duration::from_millis(1));
-            counts()
+            count()
         };
-        let expected = CANDIDATES.map(|r| (r.layers, r.head));
-        assert_eq!([0, 1, 2].map(|_| fresh.decoding_step(step)), expected);
+        assert_eq!([0, 1].map(|_| fresh.decoding_step(step)), CANDIDATES);
     }
 }
