@@ -1241,6 +1241,22 @@ mod kernels {
         )
     }
 
+    /// A volatile store of `v` into `slot`, which orders V8's code for a loop: its optimising
+    /// compiler loads a loop's weights from linear memory in program order ahead of the
+    /// arithmetic (loads are in its chain of effects, the arithmetic is placed where it is
+    /// used), and in `q4_columns4_i16` the four columns' weights and the row's four vectors
+    /// were all loaded at the top of the loop: with each column's nibbles, more vectors than
+    /// x86-64's sixteen registers, and 25 of the loop's 134 instructions moved vectors to and
+    /// from the stack (`node --print-wasm-code`, Node 20). A store between two columns'
+    /// arithmetic and the next two columns' loads keeps those loads after it: 1 of 111. In a
+    /// wasm benchmark of q4 SmolLM2's 106 M weights (a 2-core AMD EPYC, best of 20) 6.4-6.5 ms
+    /// a row against 8.1-8.2, the same sums.
+    #[inline(always)]
+    fn fence(slot: &mut v128, v: v128) {
+        // SAFETY: `slot` is a valid, aligned v128.
+        unsafe { core::ptr::write_volatile(slot, v) }
+    }
+
     /// Group `g`'s 32 values of `x` (`QuantizedRow`) as four i16x8.
     ///
     /// # Safety
@@ -1321,21 +1337,26 @@ mod kernels {
         let groups = src[0].len() / (GROUP / 2);
         check(groups, &src, row, shift, &scales);
         let mut total = f32x4_splat(0.0);
+        let mut slot = i32x4_splat(0);
         for g in 0..groups {
             let blk = g >> shift;
             // SAFETY: as in `q4_column_i16`, for each of the four columns.
             unsafe {
                 let x = group_values(row, g);
-                let d =
-                    src.map(|s| group_dots(v128_load(s.as_ptr().add(g * 16) as *const v128), &x));
+                let dots = |c: usize| {
+                    group_dots(v128_load(src[c].as_ptr().add(g * 16) as *const v128), &x)
+                };
                 // Lane c: the sum of column c's four partial sums.
+                let (d0, d1) = (dots(0), dots(1));
                 let a = i32x4_add(
-                    i32x4_shuffle::<0, 4, 1, 5>(d[0], d[1]),
-                    i32x4_shuffle::<2, 6, 3, 7>(d[0], d[1]),
+                    i32x4_shuffle::<0, 4, 1, 5>(d0, d1),
+                    i32x4_shuffle::<2, 6, 3, 7>(d0, d1),
                 );
+                fence(&mut slot, a);
+                let (d2, d3) = (dots(2), dots(3));
                 let b = i32x4_add(
-                    i32x4_shuffle::<0, 4, 1, 5>(d[2], d[3]),
-                    i32x4_shuffle::<2, 6, 3, 7>(d[2], d[3]),
+                    i32x4_shuffle::<0, 4, 1, 5>(d2, d3),
+                    i32x4_shuffle::<2, 6, 3, 7>(d2, d3),
                 );
                 let sums = i32x4_add(
                     i32x4_shuffle::<0, 1, 4, 5>(a, b),
