@@ -81,8 +81,8 @@ fn head(w: &[f32], k: usize, n: usize, layout: Layout, f16_weights: bool, dt: Da
 /// input or a weight that is not finite gives no bounds.
 pub fn check_bounds() {
     // 1030 rows: the int8 copy's pieces of 512 rows, and a partial one. With `k` a multiple
-    // of 4, a piece's rows in `matmul_integer`'s blocks of four columns but the last `n % 16`
-    // (`k` a multiple of 16 or not: the simd128 placement's tail); otherwise as they lie.
+    // of 4, a piece's rows in `matmul_integer`'s blocks of four columns but its last `count %
+    // 16` (`k` a multiple of 16 or not: the simd128 placement's tail); otherwise as they lie.
     for (k, n) in [
         (4, 9),
         (20, 13),
