@@ -194,8 +194,6 @@ impl Int8Rows {
         let count = out.len();
         let blocked = blocked(k, count);
         let (in_blocks, as_rows) = self.q[piece].split_at(blocked * k);
-        // The kernels of the weight as it lies add to `out`.
-        out.fill(0);
         let (out_blocks, out_rows) = out.split_at_mut(blocked);
         if blocked > 0 {
             matvec(x, Bytes::I8(in_blocks), k, blocked, Blocks, out_blocks);

@@ -640,6 +640,11 @@ fn matmul_in_parts(
         Bytes::U8(w) => (false, w),
     };
     super::parallel::by_columns(out, rows, n, 16, parts, |cols, block| {
+        // The kernels of the weight as it lies add to `block` (the simd128 prompt passes store
+        // their blocks of sixteen columns, the portable kernel adds the rest): from zero.
+        if layout == Layout::Rows {
+            block.fill(0);
+        }
         match (layout, signed) {
             (Layout::Rows, true) => {
                 kernels::rows::<true>(a, rows, &w[cols.start..], k, n, cols.len(), block)
@@ -786,8 +791,6 @@ mod kernels {
     ) {
         let blocks = n / 16;
         let quads = k / 4;
-        // The sums start at zero here, whatever `out` held (the portable kernel adds to it).
-        out.fill(0);
         let o = out.as_mut_ptr() as *mut v128;
         for q in 0..quads {
             let x01 = i32x4_splat(pair(a[4 * q], a[4 * q + 1]));
