@@ -13,3 +13,8 @@ fn q4_decode_is_within_the_rounding_bound() {
 fn prompt_is_within_the_rounding_bound() {
     nbits::check_prompt();
 }
+
+#[test]
+fn weights_in_lanes_give_the_same_outputs() {
+    nbits::check_lanes();
+}

@@ -13,6 +13,10 @@
 //!   is stored in blocks of four columns in place (`ops/matmul_integer.rs`,
 //!   `Layout::Blocks`), the nodes' `layout` attribute set to say so: a decoding step reads
 //!   each block in one stream, four blocks at a time.
+//! * A 4-bit `MatMulNBits` weight (blocks of 32 values or more, N a multiple of 4, integer
+//!   zero points) that only its node reads is laid out in lanes with its scales, four columns'
+//!   values in each 16-bit lane (`ops/matmul_nbits.rs`, `to_lanes`), the node's `layout`
+//!   attribute set to say so: a decoding step separates the columns with shifts alone.
 //! * In decoder and encoder graphs, the `MatMul`s of runtime operands (the attention products)
 //!   become `MatMulRuntime` (`runtime_matmuls`); one by a `Transpose` of the last two axes
 //!   (scaled or not: the keys of `Q K^T`) reads the untransposed tensor (`trans_b`).
@@ -33,8 +37,8 @@ use tract_onnx::pb;
 use crate::error::{Error, Result};
 use crate::model::onnx::Apart;
 use crate::model::ops::linalg::{transpose_nk, transpose_panels};
-use crate::model::ops::matmul_integer;
 use crate::model::ops::matmul_weights::Layout;
+use crate::model::ops::{matmul_integer, matmul_nbits};
 use tract_onnx::prelude::Tensor;
 
 const FLOAT: i32 = pb::tensor_proto::DataType::Float as i32;
@@ -116,6 +120,7 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         })
         .collect();
     let integer_blocks = integer_block_matrices(graph, &readers, &in_bytes, &shadowed);
+    let lanes = nbits_lanes(graph, &readers, &in_bytes, &shadowed);
     drop((readers, in_bytes, panel_ready));
     let mut kept_f16: HashSet<String> = HashSet::new();
     weights_in_subgraphs(&mut graph.node, &transpose, &mut kept_f16);
@@ -173,8 +178,19 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
         if integer_blocks.contains(&t.name) {
             matrix_to_blocks(t, apart.get_mut(&t.name))?;
         }
+        if let Some(&lanes) = lanes.get(&t.name) {
+            into_lanes(t, apart.get_mut(&t.name), lanes)?;
+        }
     }
     for node in graph.node.iter_mut() {
+        if is_matmul_nbits(node) && lanes.contains_key(&node.input[1]) {
+            node.attribute.push(pb::AttributeProto {
+                name: "layout".into(),
+                r#type: pb::attribute_proto::AttributeType::Int as i32,
+                i: matmul_nbits::LANES_ATTRIBUTE,
+                ..Default::default()
+            });
+        }
         if is_matmul_integer(node) && integer_blocks.contains(&node.input[1]) {
             node.attribute.push(pb::AttributeProto {
                 name: "layout".into(),
@@ -294,6 +310,120 @@ fn matrix_to_blocks(t: &mut pb::TensorProto, apart: Option<&mut Tensor>) -> Resu
     }
     let copy = bytes.to_vec();
     matmul_integer::to_blocks(&copy, k, n, t.data_type == INT8, bytes);
+    Ok(())
+}
+
+/// A `MatMulNBits` with its `B` and `scales` and one output.
+fn is_matmul_nbits(node: &pb::NodeProto) -> bool {
+    node.op_type == "MatMulNBits" && node.input.len() >= 3 && node.output.len() == 1
+}
+
+/// What [`into_lanes`] does to an initializer of a `MatMulNBits` in lanes.
+#[derive(Clone, Copy)]
+enum Lanes {
+    /// The 4-bit weight: N columns of `padded` values (`matmul_nbits::to_lanes`).
+    Weight { n: usize, padded: usize },
+    /// Its scales: N columns of `blocks` (`matmul_nbits::scales_to_lanes`).
+    Scales { n: usize, blocks: usize },
+}
+
+/// The 4-bit weights of the graph's `MatMulNBits`s that fit lanes (`matmul_nbits::fits_lanes`:
+/// blocks of 32 values or more, N a multiple of 4) and their scales, to be laid out so
+/// (`matmul_nbits::to_lanes`), so that a decoding step reads four columns' values in each
+/// 16-bit lane and separates them with shifts alone: each a `uint8` `B` of `N * blocks *
+/// block_size / 2` bytes and its float or float16 scales of `N * blocks` values, data bytes
+/// that this node alone reads (no `GatherBlockQuantized` sharing the weight, say), its zero
+/// points absent or `uint8`, no `g_idx`.
+fn nbits_lanes(
+    graph: &pb::GraphProto,
+    readers: &HashMap<String, Reads>,
+    in_bytes: &HashSet<&str>,
+    shadowed: &HashSet<String>,
+) -> HashMap<String, Lanes> {
+    let initializers: HashMap<&str, &pb::TensorProto> = graph
+        .initializer
+        .iter()
+        .map(|t| (t.name.as_str(), t))
+        .collect();
+    let attr = |node: &pb::NodeProto, name: &str| {
+        node.attribute.iter().find(|a| a.name == name).map(|a| a.i)
+    };
+    let own = |name: &str| {
+        readers.get(name).is_some_and(|r| r.all == 1)
+            && in_bytes.contains(name)
+            && !shadowed.contains(name)
+            && !graph.output.iter().any(|o| o.name == name)
+    };
+    let values = |t: &pb::TensorProto| t.dims.iter().product::<i64>();
+    let mut lanes = HashMap::new();
+    for node in graph.node.iter().filter(|n| is_matmul_nbits(n)) {
+        let (Some(k), Some(n), Some(bs)) =
+            (attr(node, "K"), attr(node, "N"), attr(node, "block_size"))
+        else {
+            continue;
+        };
+        let bits = attr(node, "bits").unwrap_or(4);
+        if k <= 0 || n <= 0 || bs <= 0 || attr(node, "layout").is_some() {
+            continue;
+        }
+        let (k, n, bs) = (k as usize, n as usize, bs as usize);
+        if !(bs.is_power_of_two() && matmul_nbits::fits_lanes(bits as usize, bs, n)) {
+            continue;
+        }
+        let blocks = k.div_ceil(bs);
+        let (b, scales) = (node.input[1].as_str(), node.input[2].as_str());
+        let zero_fits = match node.input.get(3).filter(|z| !z.is_empty()) {
+            None => true,
+            Some(z) => initializers
+                .get(z.as_str())
+                .is_some_and(|z| z.data_type == UINT8),
+        };
+        let g_idx = node.input.get(4).is_some_and(|g| !g.is_empty());
+        let fits = |name: &str, types: &[i32], len: usize| {
+            initializers
+                .get(name)
+                .is_some_and(|t| types.contains(&t.data_type) && values(t) == len as i64)
+                && own(name)
+        };
+        if zero_fits
+            && !g_idx
+            && b != scales
+            && fits(b, &[UINT8], n * blocks * bs / 2)
+            && fits(scales, &[FLOAT, FLOAT16], n * blocks)
+        {
+            let padded = blocks * bs;
+            lanes.insert(b.to_string(), Lanes::Weight { n, padded });
+            lanes.insert(scales.to_string(), Lanes::Scales { n, blocks });
+        }
+    }
+    lanes
+}
+
+/// A `MatMulNBits`' weight or scales into lanes, in place from one copy; its dims stay.
+fn into_lanes(t: &mut pb::TensorProto, apart: Option<&mut Tensor>, lanes: Lanes) -> Result<()> {
+    let size = match t.data_type {
+        UINT8 => 1,
+        FLOAT16 => 2,
+        _ => 4,
+    };
+    let bytes = match apart {
+        Some(tensor) => tensor.as_bytes_mut(),
+        None => &mut t.raw_data[..],
+    };
+    let want = t.dims.iter().product::<i64>() as usize * size;
+    if bytes.len() != want {
+        return Err(Error::Model(format!(
+            "tensor `{}` of dims {:?} has {} bytes; expected {want}",
+            t.name,
+            t.dims,
+            bytes.len()
+        )));
+    }
+    let copy = bytes.to_vec();
+    match lanes {
+        Lanes::Weight { n, padded } => matmul_nbits::to_lanes(&copy, n, padded, bytes),
+        Lanes::Scales { n, blocks } => matmul_nbits::scales_to_lanes(&copy, size, n, blocks, bytes),
+    }
     Ok(())
 }
 
@@ -871,9 +1001,46 @@ mod tests {
     /// permuted in place, the nodes' `layout` set, and tract's plan gives the same integer sums
     /// as the graph before the rewrite, for a prompt's three rows and a step's one. `v`, also
     /// read by a `Cast`, and `u`, `[6, 32]`, stay as they are.
+    /// The `layout` attribute of the node of `graph` whose first output is `output`.
+    fn layout_of(graph: &pb::GraphProto, output: &str) -> Option<i64> {
+        let node = graph.node.iter().find(|n| n.output[0] == output).unwrap();
+        node.attribute
+            .iter()
+            .find(|a| a.name == "layout")
+            .map(|a| a.i)
+    }
+
+    /// The bytes of initializer `name` of `graph`.
+    fn raw_of<'g>(graph: &'g pb::GraphProto, name: &str) -> &'g Vec<u8> {
+        &graph
+            .initializer
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap()
+            .raw_data
+    }
+
+    /// The outputs of the graph `proto` (one f32 input `[rows, k]`) under tract.
+    fn run(
+        proto: &pb::ModelProto,
+        rows: usize,
+        k: usize,
+    ) -> tract_onnx::prelude::TVec<tract_onnx::prelude::TValue> {
+        use tract_onnx::prelude::*;
+        let a: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut model = crate::model::ops::onnx()
+            .model_for_proto_model(proto)
+            .unwrap();
+        model
+            .set_input_fact(0, InferenceFact::dt_shape(f32::datum_type(), [rows, k]))
+            .unwrap();
+        let plan = model.into_optimized().unwrap().into_runnable().unwrap();
+        let a = Tensor::from_shape(&[rows, k], &a).unwrap();
+        plan.run(tvec![a.into_tvalue()]).unwrap()
+    }
+
     #[test]
     fn integer_matrices_read_only_by_matmul_integers_are_in_blocks() {
-        use tract_onnx::prelude::*;
         let (k, n) = (8usize, 32usize);
         let bytes = |k: usize| {
             (0..k * n)
@@ -960,47 +1127,168 @@ mod tests {
         let mut rewritten = original.clone();
         rewrite(&mut rewritten, &mut Apart::default()).unwrap();
         let graph = rewritten.graph.as_ref().unwrap();
-        let layout = |output: &str| {
-            let node = graph.node.iter().find(|n| n.output[0] == output).unwrap();
-            node.attribute
-                .iter()
-                .find(|a| a.name == "layout")
-                .map(|a| a.i)
-        };
+        let layout = |output: &str| layout_of(graph, output);
         assert_eq!(layout("yw"), Some(matmul_integer::BLOCKS_ATTRIBUTE));
         assert_eq!((layout("yv"), layout("yu6")), (None, None));
         let mut blocks = vec![0u8; k * n];
         matmul_integer::to_blocks(&bytes(k), k, n, true, &mut blocks);
-        let raw = |name: &str| {
-            &graph
-                .initializer
-                .iter()
-                .find(|t| t.name == name)
-                .unwrap()
-                .raw_data
-        };
+        let raw = |name: &str| raw_of(graph, name);
         assert_eq!(raw("w"), &blocks);
         assert_eq!((raw("v"), raw("u")), (&bytes(k), &bytes(6)));
         for rows in [3usize, 1] {
-            let a: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
-            let run = |proto: &pb::ModelProto| {
-                let mut model = crate::model::ops::onnx()
-                    .model_for_proto_model(proto)
-                    .unwrap();
-                model
-                    .set_input_fact(0, InferenceFact::dt_shape(f32::datum_type(), [rows, k]))
-                    .unwrap();
-                let plan = model.into_optimized().unwrap().into_runnable().unwrap();
-                let a = Tensor::from_shape(&[rows, k], &a).unwrap();
-                plan.run(tvec![a.into_tvalue()]).unwrap()
-            };
-            let (want, got) = (run(&original), run(&rewritten));
+            let (want, got) = (run(&original, rows, k), run(&rewritten, rows, k));
             for (i, (want, got)) in want.iter().zip(&got).enumerate() {
                 assert_eq!(want, got, "output {i}, {rows} rows");
             }
             let plain = got[0].try_as_plain_ram().unwrap();
             let sums = plain.as_slice::<i32>().unwrap();
             assert!(sums.iter().any(|&s| s != 0), "{rows} rows: {sums:?}");
+        }
+    }
+
+    /// The 4-bit weights of `MatMulNBits`s that fit lanes, and that their node alone reads, are
+    /// laid out in lanes with their scales and the node's `layout` attribute says so; the
+    /// others stay as they are (float zero points, N not a multiple of 4, a weight another node
+    /// reads too). The graphs give the same bits, for a decoding row and for a prompt.
+    #[test]
+    fn nbits_weights_that_fit_are_in_lanes() {
+        let (k, bs) = (64usize, 32usize);
+        let blocks = k / bs;
+        let bytes = |n: usize, seed: usize| {
+            (0..n * k / 2)
+                .map(|i| ((i + seed) * 37 % 251) as u8)
+                .collect::<Vec<u8>>()
+        };
+        let scales = |n: usize| {
+            (0..n * blocks)
+                .flat_map(|i| (0.01 + i as f32 * 0.003).to_le_bytes())
+                .collect::<Vec<u8>>()
+        };
+        let init =
+            |name: &str, data_type: i32, dims: Vec<i64>, raw_data: Vec<u8>| pb::TensorProto {
+                name: name.into(),
+                data_type,
+                dims,
+                raw_data,
+                ..Default::default()
+            };
+        let weight = |name: &str, n: usize, seed: usize| {
+            init(
+                name,
+                UINT8,
+                vec![n as i64, blocks as i64, bs as i64 / 2],
+                bytes(n, seed),
+            )
+        };
+        let scale = |name: &str, n: usize| init(name, FLOAT, vec![(n * blocks) as i64], scales(n));
+        let int = |name: &str, i: i64| pb::AttributeProto {
+            name: name.into(),
+            r#type: pb::attribute_proto::AttributeType::Int as i32,
+            i,
+            ..Default::default()
+        };
+        let nbits = |inputs: &[&str], output: &str, n: usize| pb::NodeProto {
+            op_type: "MatMulNBits".into(),
+            domain: "com.microsoft".into(),
+            name: output.into(),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: vec![output.into()],
+            attribute: vec![
+                int("K", k as i64),
+                int("N", n as i64),
+                int("bits", 4),
+                int("block_size", bs as i64),
+            ],
+            ..Default::default()
+        };
+        let value = |name: &str| pb::ValueInfoProto {
+            name: name.into(),
+            r#type: Some(pb::TypeProto {
+                value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
+                    elem_type: FLOAT,
+                    shape: None,
+                })),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let zp_float: Vec<u8> = (0..8 * blocks).flat_map(|_| 7f32.to_le_bytes()).collect();
+        let identity = pb::NodeProto {
+            op_type: "Identity".into(),
+            name: "shared".into(),
+            input: vec!["u".into()],
+            output: vec!["u_again".into()],
+            ..Default::default()
+        };
+        let original = pb::ModelProto {
+            ir_version: 8,
+            opset_import: vec![
+                pb::OperatorSetIdProto {
+                    domain: String::new(),
+                    version: 17,
+                },
+                pb::OperatorSetIdProto {
+                    domain: "com.microsoft".into(),
+                    version: 1,
+                },
+            ],
+            graph: Some(pb::GraphProto {
+                node: vec![
+                    nbits(&["a", "w", "ws"], "yw", 8),
+                    nbits(&["a", "v", "vs", "vz"], "yv", 8),
+                    nbits(&["a", "x", "xs"], "yx", 6),
+                    nbits(&["a", "u", "us"], "yu", 8),
+                    identity,
+                ],
+                initializer: vec![
+                    weight("w", 8, 1),
+                    scale("ws", 8),
+                    weight("v", 8, 2),
+                    scale("vs", 8),
+                    init("vz", FLOAT, vec![(8 * blocks) as i64], zp_float),
+                    weight("x", 6, 3),
+                    scale("xs", 6),
+                    weight("u", 8, 4),
+                    scale("us", 8),
+                ],
+                input: vec![value("a")],
+                output: ["yw", "yv", "yx", "yu", "u_again"].map(value).to_vec(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut rewritten = original.clone();
+        rewrite(&mut rewritten, &mut Apart::default()).unwrap();
+        let graph = rewritten.graph.as_ref().unwrap();
+        let layout = |output: &str| layout_of(graph, output);
+        assert_eq!(layout("yw"), Some(matmul_nbits::LANES_ATTRIBUTE));
+        assert_eq!(
+            (layout("yv"), layout("yx"), layout("yu")),
+            (None, None, None)
+        );
+        let raw = |name: &str| raw_of(graph, name);
+        let mut lanes = vec![0u8; 8 * k / 2];
+        matmul_nbits::to_lanes(&bytes(8, 1), 8, k, &mut lanes);
+        let mut lane_scales = vec![0u8; 8 * blocks * 4];
+        matmul_nbits::scales_to_lanes(&scales(8), 4, 8, blocks, &mut lane_scales);
+        assert_eq!((raw("w"), raw("ws")), (&lanes, &lane_scales));
+        assert_ne!(raw("w"), &bytes(8, 1));
+        assert_eq!(
+            (raw("v"), raw("x"), raw("u")),
+            (&bytes(8, 2), &bytes(6, 3), &bytes(8, 4))
+        );
+        assert_eq!(
+            (raw("vs"), raw("xs"), raw("us")),
+            (&scales(8), &scales(6), &scales(8))
+        );
+        for rows in [1usize, 9] {
+            let (want, got) = (run(&original, rows, k), run(&rewritten, rows, k));
+            for (i, (want, got)) in want.iter().zip(&got).enumerate() {
+                assert_eq!(want, got, "output {i}, {rows} rows");
+            }
+            let plain = got[0].try_as_plain_ram().unwrap();
+            let y = plain.as_slice::<f32>().unwrap();
+            assert!(y.iter().any(|&v| v != 0.0), "{rows} rows: {y:?}");
         }
     }
 }

@@ -5,7 +5,9 @@
 //! (tests/nbits_decode.rs) and wasm tests (the simd128 kernels; tests/wasm_api).
 #![allow(dead_code)]
 
-use onnx_generate::model::ops::matmul_nbits::{matmul, NBits, Zero, INTEGER_PROMPT_ROWS};
+use onnx_generate::model::ops::matmul_nbits::{
+    matmul, scales_to_lanes, to_lanes, NBits, Zero, INTEGER_PROMPT_ROWS,
+};
 
 /// A deterministic pseudo-random stream of u32 (xorshift64).
 fn stream(seed: u64) -> impl FnMut() -> u32 {
@@ -15,6 +17,21 @@ fn stream(seed: u64) -> impl FnMut() -> u32 {
         state ^= state >> 7;
         state ^= state << 17;
         (state >> 32) as u32
+    }
+}
+
+/// A 4-bit `MatMulNBits` of `K` x `N` in blocks of `bs`, its weight as it lies.
+fn q4_op(k: usize, n: usize, bs: usize) -> NBits {
+    NBits {
+        k,
+        n,
+        bits: 4,
+        block_size: bs,
+        zero_points: None,
+        bias: None,
+        inputs: 3,
+        label: "q4".into(),
+        lanes: false,
     }
 }
 
@@ -31,16 +48,7 @@ pub fn check_q4_decode() {
         (128, 384, 6, false),
         (64, 130, 9, true),
     ] {
-        let op = NBits {
-            k,
-            n,
-            bits: 4,
-            block_size: bs,
-            zero_points: None,
-            bias: None,
-            inputs: 3,
-            label: "q4".into(),
-        };
+        let op = q4_op(k, n, bs);
         let blocks = k.div_ceil(bs);
         let zp_blob = blocks.div_ceil(2);
         let b: Vec<u8> = (0..n * blocks * bs / 2).map(|_| next() as u8).collect();
@@ -202,6 +210,7 @@ pub fn check_prompt() {
             bias: None,
             inputs: 3,
             label: "prompt".into(),
+            lanes: false,
         };
         let blocks = k.div_ceil(bs);
         let blob = bs * bits / 8;
@@ -285,6 +294,80 @@ pub fn check_prompt() {
                     assert!(
                         (g - want).abs() <= bound,
                         "bits={bits} bs={bs} k={k} rows={rows} row {r} col {col}: {g} vs {want} (bound {bound:e})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// 4-bit weights in lanes (`to_lanes`, `scales_to_lanes`, as the loader lays them out) give
+/// the same outputs as the weights as they lie: bit for bit for a decoding row (its 16-bit
+/// kernel) and a prompt of `INTEGER_PROMPT_ROWS` rows or more; through f32 weights (2 to 7
+/// rows, or a NaN in the row or prompt) within the rounding of sums taken in another order,
+/// NaN where the row has one. Block sizes 32 to 128 (a partial last block), default and packed
+/// zero points, N from 4 to 24 (the prompt kernel takes eight columns at a time: 4, 12 and 20
+/// leave a quad to the column kernel).
+pub fn check_lanes() {
+    let mut next = stream(0x0a40_9382_2299_f31d);
+    for (bs, k, n, packed) in [
+        (32, 96, 8, false),
+        (32, 200, 12, true),
+        (64, 130, 4, true),
+        (128, 384, 20, false),
+        (64, 256, 24, true),
+    ] {
+        let op = q4_op(k, n, bs);
+        let in_lanes = NBits {
+            lanes: true,
+            ..op.clone()
+        };
+        let blocks = k.div_ceil(bs);
+        let zp_blob = blocks.div_ceil(2);
+        let b: Vec<u8> = (0..n * blocks * bs / 2).map(|_| next() as u8).collect();
+        let scales: Vec<f32> = (0..n * blocks)
+            .map(|_| (next() % 1000) as f32 / 4000.0 + 0.01)
+            .collect();
+        let zp_bytes: Vec<u8> = (0..n * zp_blob).map(|_| next() as u8).collect();
+        let zp = if packed {
+            Zero::Packed(&zp_bytes)
+        } else {
+            Zero::Default
+        };
+        let mut lanes_b = vec![0u8; b.len()];
+        to_lanes(&b, n, blocks * bs, &mut lanes_b);
+        let scale_bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        let mut lane_scale_bytes = vec![0u8; scale_bytes.len()];
+        scales_to_lanes(&scale_bytes, 4, n, blocks, &mut lane_scale_bytes);
+        let lanes_scales: Vec<f32> = lane_scale_bytes
+            .chunks_exact(4)
+            .map(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]]))
+            .collect();
+        for rows in [1, 2, 3, 7, 8, 9, 13] {
+            let mut a: Vec<f32> = (0..rows * k)
+                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            for with_nan in [false, true] {
+                if with_nan {
+                    a[k / 2] = f32::NAN;
+                }
+                let mut want = vec![0f32; rows * n];
+                matmul(&op, &a, rows, &b, &scales, &zp, &mut want).unwrap();
+                let mut got = vec![0f32; rows * n];
+                matmul(&in_lanes, &a, rows, &lanes_b, &lanes_scales, &zp, &mut got).unwrap();
+                // (A prompt with a NaN goes through f32 weights whole.)
+                let same_bits = !with_nan && (rows == 1 || rows >= INTEGER_PROMPT_ROWS);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let ok = if w.is_nan() {
+                        g.is_nan()
+                    } else if same_bits {
+                        g.to_bits() == w.to_bits()
+                    } else {
+                        (g - w).abs() <= 1e-5 * (1.0 + w.abs())
+                    };
+                    assert!(
+                        ok,
+                        "bs={bs} k={k} n={n} rows={rows} nan={with_nan} output {i}: {g} in lanes, {w} as they lie"
                     );
                 }
             }

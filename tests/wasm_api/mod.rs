@@ -810,6 +810,13 @@ fn nbits_prompt_kernel_is_within_the_rounding_bound() {
     nbits::check_prompt();
 }
 
+/// The simd128 kernels of 4-bit weights in lanes (decoding, the prompt's widening) give the
+/// outputs of the weights as they lie (tests/support/nbits.rs; natively tests/nbits_decode.rs).
+#[wasm_bindgen_test]
+fn nbits_weights_in_lanes_give_the_same_outputs() {
+    nbits::check_lanes();
+}
+
 /// The f32 kernels of the relaxed SIMD build (`f32x4.relaxed_madd` for each multiply and add,
 /// fused or not as the engine chooses) within the rounding bound of their sums: the two-row
 /// prompt kernel on rows and on panels, the one-row panel kernel (decoding) and the f16 one.

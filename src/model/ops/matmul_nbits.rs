@@ -13,7 +13,10 @@
 //! eight columns at a time are widened to 16-bit integers once and multiplied with every row
 //! (`QuantizedRows`, `Params::q4_prompt`); otherwise the kernel dequantizes four columns at a
 //! time (with simd128 in wasm) and multiplies them with every row of `A`. The f32 weight never
-//! exists whole in memory.
+//! exists whole in memory. A 4-bit weight that fits is laid out at load in lanes, four
+//! columns' values in each 16-bit lane (`to_lanes`, by `model::weights`; the `layout`
+//! attribute): the same outputs, and the decoding kernel separates them with shifts alone
+//! (`kernels::q4_lanes_i16`).
 //! Not supported (a load-time error naming the node): `g_idx`, other bit widths, a `B`,
 //! `scales` or `zero_points` whose shape does not match `K`, `N`, `bits` and `block_size`.
 
@@ -35,6 +38,9 @@ pub struct NBits {
     pub bias: Option<usize>,
     pub inputs: usize,
     pub label: String,
+    /// `B` and `scales` laid out four columns together at load ([`to_lanes`]): the node's
+    /// `layout` attribute is [`LANES_ATTRIBUTE`].
+    pub lanes: bool,
 }
 
 impl NBits {
@@ -91,6 +97,15 @@ pub fn parse(node: &NodeProto) -> TractResult<NBits> {
     if node.output.len() != 1 {
         bail!("{label}: expected one output");
     }
+    let lanes = match node.get_attr_opt::<i64>("layout")? {
+        None => false,
+        Some(LANES_ATTRIBUTE) if fits_lanes(bits as usize, block_size as usize, n as usize) => true,
+        Some(LANES_ATTRIBUTE) => bail!(
+            "{label}: B in lanes needs 4 bits, block_size 32 or more and N a multiple of 4; \
+             bits={bits} block_size={block_size} N={n}"
+        ),
+        Some(v) => bail!("{label}: layout {v}; expected {LANES_ATTRIBUTE} (lanes)"),
+    };
     Ok(NBits {
         k: k as usize,
         n: n as usize,
@@ -100,7 +115,73 @@ pub fn parse(node: &NodeProto) -> TractResult<NBits> {
         bias: input_slot(node, 5),
         inputs: node.input.iter().filter(|s| !s.is_empty()).count(),
         label,
+        lanes,
     })
+}
+
+/// The `layout` attribute of a `MatMulNBits` whose `B` and `scales` are in lanes
+/// ([`to_lanes`], [`scales_to_lanes`]), set by `model::weights` at load.
+pub const LANES_ATTRIBUTE: i64 = 1;
+
+/// Whether a weight of `bits` bits, blocks of `block_size` and `n` columns can be laid out in
+/// lanes: 4 bits, whole groups of 32 per block, whole quads of columns.
+pub fn fits_lanes(bits: usize, block_size: usize, n: usize) -> bool {
+    bits == 4 && block_size >= GROUP && n.is_multiple_of(4)
+}
+
+/// A 4-bit `B` (`[n, padded / 2]` bytes, each column's blocks padded to `padded` values, low
+/// nibble first) into lanes, `dst` as long: four columns `4q..4q + 4` together, group by group
+/// of 32 values, each group as four vectors of eight 16-bit lanes, lane `j` of vector `t`
+/// holding the four columns' values at `k = 32 g + 8 t + j` in bits 0-3, 4-7, 8-11 and 12-15
+/// (little-endian), the last with its top bit flipped. The decoding kernel reads a lane's
+/// columns with shifts alone (`kernels::q4_lanes_i16`).
+pub fn to_lanes(src: &[u8], n: usize, padded: usize, dst: &mut [u8]) {
+    let bytes = padded / 2;
+    assert!(
+        src.len() == n * bytes && dst.len() == src.len() && padded.is_multiple_of(GROUP),
+        "to_lanes: {} bytes for N={n}, K padded to {padded}",
+        src.len()
+    );
+    for (four, quad) in src
+        .chunks_exact(4 * bytes)
+        .zip(dst.chunks_exact_mut(4 * bytes))
+    {
+        let (c0, rest) = four.split_at(bytes);
+        let (c1, rest) = rest.split_at(bytes);
+        let (c2, c3) = rest.split_at(bytes);
+        // Byte i of each column holds its values 2i (low nibble) and 2i + 1: lanes 2i and
+        // 2i + 1, four bytes.
+        for ((((lanes, &b0), &b1), &b2), &b3) in
+            quad.chunks_exact_mut(4).zip(c0).zip(c1).zip(c2).zip(c3)
+        {
+            let lo = (b0 & 15) | (b1 & 15) << 4;
+            let hi = (b2 & 15) | ((b3 & 15) ^ 8) << 4;
+            let (lo1, hi1) = ((b0 >> 4) | (b1 >> 4) << 4, (b2 >> 4) | ((b3 >> 4) ^ 8) << 4);
+            lanes.copy_from_slice(&[lo, hi, lo1, hi1]);
+        }
+    }
+}
+
+/// `scales` (`[n, blocks]` values of `size` bytes each) into lanes, `dst` as long: `[n / 4,
+/// blocks, 4]`, a quad's four scales of a block side by side.
+pub fn scales_to_lanes(src: &[u8], size: usize, n: usize, blocks: usize, dst: &mut [u8]) {
+    assert!(
+        src.len() == n * blocks * size && dst.len() == src.len() && n.is_multiple_of(4),
+        "scales_to_lanes: {} bytes for N={n}, {blocks} blocks of {size}-byte scales",
+        src.len()
+    );
+    let column = blocks * size;
+    for (four, quad) in src
+        .chunks_exact(4 * column)
+        .zip(dst.chunks_exact_mut(4 * column))
+    {
+        for (c, column) in four.chunks_exact(column).enumerate() {
+            for (blk, value) in column.chunks_exact(size).enumerate() {
+                let at = (blk * 4 + c) * size;
+                quad[at..at + size].copy_from_slice(value);
+            }
+        }
+    }
 }
 
 impl Expansion for NBits {
@@ -367,26 +448,34 @@ fn matmul_in_parts(
             n * blocks
         );
     }
+    if op.lanes && (!fits_lanes(bits, bs, n) || matches!(zp, Zero::Float(_))) {
+        bail!(
+            "{}: B in lanes needs 4 bits, block_size 32 or more, N a multiple of 4 and integer \
+             zero points; bits={bits} block_size={bs} N={n}",
+            op.label
+        );
+    }
     let padded = blocks * bs;
     // Decoding a 4-bit weight with integer zero points: the row (padded) as 16-bit integers, so
-    // that the kernel multiplies integers (`kernels::q4_columns4_i16`, `q4_column_i16`).
+    // that the kernel multiplies integers (`kernels::q4_columns4_i16`, `q4_column_i16`, and
+    // `q4_lanes_i16` in lanes, which reads the row in its order).
     let integer = bits == 4 && bs >= GROUP && !matches!(zp, Zero::Float(_));
     let quantized = (integer && rows == 1)
-        .then(|| QuantizedRow::of(a, padded))
+        .then(|| QuantizedRow::of(a, padded, !op.lanes))
         .flatten();
     // A prompt of such a weight, from `INTEGER_PROMPT_ROWS` rows: every row so (`q4_prompt`).
     let prompt = (integer && rows >= INTEGER_PROMPT_ROWS)
         .then(|| QuantizedRows::of(a, rows, k, padded))
         .flatten();
     // Otherwise each row of A padded with zeros to whole blocks (the last block may be
-    // partial), and for 4 bits reordered within each group to the nibble order.
+    // partial), and for 4 bits as they lie reordered within each group to the nibble order.
     let mut ap = vec![];
     if quantized.is_none() && prompt.is_none() {
         ap.resize(rows * padded, 0f32);
         for r in 0..rows {
             let src = &a[r * k..(r + 1) * k];
             let dst = &mut ap[r * padded..(r + 1) * padded];
-            if bits == 4 {
+            if bits == 4 && !op.lanes {
                 permute(src, dst, bs.min(GROUP));
             } else {
                 dst[..k].copy_from_slice(src);
@@ -401,6 +490,7 @@ fn matmul_in_parts(
         zp_blob,
         zp,
         scales,
+        lanes: op.lanes,
         quantized: quantized.as_ref(),
         prompt: prompt.as_ref(),
     };
@@ -431,7 +521,23 @@ impl Params<'_> {
     ) {
         let padded = self.blocks * self.bs;
         let width = cols.len();
-        if rows == 1 {
+        if let (true, Some(row)) = (self.lanes, self.quantized) {
+            // In lanes, quad after quad: one stream (`kernels::q4_lanes_i16`).
+            let shift = (self.bs / GROUP).trailing_zeros();
+            for first in cols.clone().step_by(4) {
+                let (quad, scales) = (self.quad(b, first), self.quad_scales(first));
+                let sums = match self.zp {
+                    Zero::Default => kernels::q4_lanes_i16(quad, row, shift, scales, |_, _| 8),
+                    _ => kernels::q4_lanes_i16(quad, row, shift, scales, |c, blk| {
+                        self.zero(first + c, blk) as u8
+                    }),
+                };
+                let at = first - cols.start;
+                block[at..at + 4].copy_from_slice(&sums);
+            }
+            return;
+        }
+        if rows == 1 && !self.lanes {
             // Four columns a quarter of the range apart at once: four sequential reads keep
             // more of memory's lines in flight than one.
             let (groups, rest) = side_by_side::<4>(width);
@@ -458,11 +564,16 @@ impl Params<'_> {
         if let Some(prompt) = self.prompt {
             return self.q4_prompt(cols, b, prompt, rows, block);
         }
+        // (In lanes, also a decoding row that is not finite.)
         let mut w = vec![0f32; COLS * padded];
         for first in cols.clone().step_by(COLS) {
             let count = COLS.min(cols.end - first);
-            for c in 0..count {
-                self.dequantize(first + c, b, &mut w[c * padded..(c + 1) * padded]);
+            if self.lanes {
+                self.dequantize_quad(first, b, &mut w);
+            } else {
+                for c in 0..count {
+                    self.dequantize(first + c, b, &mut w[c * padded..(c + 1) * padded]);
+                }
             }
             let at = first - cols.start;
             let x = |r: usize| &ap[r * padded..(r + 1) * padded];
@@ -515,6 +626,8 @@ struct Params<'a> {
     zp_blob: usize,
     zp: &'a Zero<'a>,
     scales: &'a [f32],
+    /// `B` and `scales` in lanes ([`to_lanes`]).
+    lanes: bool,
     /// The row of `A` as 16-bit integers, when decoding 4-bit weights.
     quantized: Option<&'a QuantizedRow>,
     /// The rows of `A` as 16-bit integers, for a prompt of 4-bit weights.
@@ -547,9 +660,10 @@ const fn q4_order(e: usize) -> usize {
 }
 
 impl QuantizedRow {
-    /// The row `x` padded with zeros to `padded` values (a multiple of [`GROUP`]). `None` when
-    /// a value is not finite (the f32 kernel then carries it to the output).
-    fn of(x: &[f32], padded: usize) -> Option<QuantizedRow> {
+    /// The row `x` padded with zeros to `padded` values (a multiple of [`GROUP`]), each group
+    /// in the kernel's order ([`q4_order`]) or, for weights in lanes, in its own. `None` when a
+    /// value is not finite (the f32 kernel then carries it to the output).
+    fn of(x: &[f32], padded: usize, nibble_order: bool) -> Option<QuantizedRow> {
         debug_assert!(padded.is_multiple_of(GROUP) && x.len() <= padded);
         let groups = padded / GROUP;
         let mut q = vec![0i16; padded];
@@ -563,7 +677,7 @@ impl QuantizedRow {
             let max = kernels::max_abs(&group)?;
             scales[g] = max / 32767.0;
             if max > 0.0 {
-                sums[g] = kernels::quantize_group(&group, 32767.0 / max, qs);
+                sums[g] = kernels::quantize_group(&group, 32767.0 / max, qs, nibble_order);
             }
         }
         Some(QuantizedRow { q, sums, scales })
@@ -590,7 +704,7 @@ impl QuantizedRows {
         let mut pairs = Vec::with_capacity(rows * padded / 2);
         let mut scales = Vec::with_capacity(rows * groups);
         for row in a.chunks_exact(k).take(rows) {
-            let row = QuantizedRow::of(row, padded)?;
+            let row = QuantizedRow::of(row, padded, true)?;
             for q in row.q.chunks_exact(GROUP) {
                 pairs.extend((0..GROUP).step_by(2).map(|e| {
                     let (even, odd) = (q[q4_order(e)], q[q4_order(e + 1)]);
@@ -617,17 +731,19 @@ pub const INTEGER_PROMPT_ROWS: usize = 8;
 /// Columns the 4-bit prompt kernel takes at a time (`kernels::q4_prompt8`).
 const PROMPT_COLS: usize = 8;
 
-/// One column of 4-bit weights (its blocks' bytes) times every row of a prompt: each group's
-/// sum of `(q - zero) * x` in integers, then converted and scaled as the decoding kernel does
-/// (`kernels::q4_columns4_i16`: the total plus the sum times the row's scale times the
-/// block's), so a row gives the same bits in a prompt and in a decoding step. `out(r, total)`
-/// takes row `r`'s value. The portable prompt kernel, and the columns past the last eight.
+/// One column of 4-bit weights (`value(k)`: its value at `k`, 0 to 15) times every row of a
+/// prompt: each group's sum of `(q - zero) * x` in integers, then converted and scaled as the
+/// decoding kernel does (`kernels::q4_columns4_i16`: the total plus the sum times the row's
+/// scale times the block's `scale(blk)`), so a row gives the same bits in a prompt and in a
+/// decoding step. `out(r, total)` takes row `r`'s value. The portable prompt kernel, and the
+/// columns past the last eight.
+#[allow(clippy::too_many_arguments)]
 fn q4_prompt_column(
-    src: &[u8],
+    value: impl Fn(usize) -> i32,
     rows: &QuantizedRows,
     nrows: usize,
     shift: u32,
-    scales: &[f32],
+    scale: impl Fn(usize) -> f32,
     zero: impl Fn(usize) -> u8,
     mut out: impl FnMut(usize, f32),
 ) {
@@ -639,13 +755,44 @@ fn q4_prompt_column(
             let z = zero(blk) as i32;
             let pairs = &rows.pairs[(r * groups + g) * 16..(r * groups + g + 1) * 16];
             let mut sum = 0i32;
-            for (&byte, &p) in src[g * 16..g * 16 + 16].iter().zip(pairs) {
+            for (i, &p) in pairs.iter().enumerate() {
                 let (x0, x1) = (p as i16 as i32, (p >> 16) as i16 as i32);
-                sum += ((byte & 0x0f) as i32 - z) * x0 + ((byte >> 4) as i32 - z) * x1;
+                let k = g * GROUP + 2 * i;
+                sum += (value(k) - z) * x0 + (value(k + 1) - z) * x1;
             }
-            total += sum as f32 * (rows.scales[r * groups + g] * scales[blk]);
+            total += sum as f32 * (rows.scales[r * groups + g] * scale(blk));
         }
         out(r, total);
+    }
+}
+
+/// Value `k` (0 to 15) of column `c` of a quad of columns in lanes ([`to_lanes`]).
+#[inline(always)]
+fn lane_value(quad: &[u8], c: usize, k: usize) -> i32 {
+    let lane = u16::from_le_bytes([quad[2 * k], quad[2 * k + 1]]);
+    let v = ((lane >> (4 * c)) & 15) as i32;
+    if c == 3 {
+        v ^ 8
+    } else {
+        v
+    }
+}
+
+/// The eight columns the 4-bit prompt kernel takes at a time (`kernels::q4_prompt8`).
+pub(crate) enum Eight<'a> {
+    /// Each column's bytes and scales, as in the file.
+    Columns([&'a [u8]; PROMPT_COLS], [&'a [f32]; PROMPT_COLS]),
+    /// Two quads in lanes ([`to_lanes`]) and their scales (`[blocks, 4]` each).
+    Lanes([&'a [u8]; 2], [&'a [f32]; 2]),
+}
+
+impl Eight<'_> {
+    /// The scale of column `c` (0 to 7) in block `blk`.
+    fn scale(&self, c: usize, blk: usize) -> f32 {
+        match self {
+            Eight::Columns(_, scales) => scales[c][blk],
+            Eight::Lanes(_, scales) => scales[c / 4][blk * 4 + c % 4],
+        }
     }
 }
 
@@ -672,14 +819,21 @@ impl Params<'_> {
         while first + PROMPT_COLS <= cols.end {
             let eight: [usize; PROMPT_COLS] = std::array::from_fn(|c| first + c);
             let at = first - cols.start;
-            let (srcs, scales) = (eight.map(src), eight.map(scales));
+            let source = if self.lanes {
+                let quads = [first, first + 4];
+                Eight::Lanes(
+                    quads.map(|q| self.quad(b, q)),
+                    quads.map(|q| self.quad_scales(q)),
+                )
+            } else {
+                Eight::Columns(eight.map(src), eight.map(scales))
+            };
             match self.zp {
                 Zero::Default => kernels::q4_prompt8(
-                    srcs,
+                    &source,
                     prompt,
                     rows,
                     shift,
-                    scales,
                     |_, _| 8,
                     &mut wide,
                     block,
@@ -687,11 +841,10 @@ impl Params<'_> {
                     at,
                 ),
                 _ => kernels::q4_prompt8(
-                    srcs,
+                    &source,
                     prompt,
                     rows,
                     shift,
-                    scales,
                     |c, blk| self.zero(eight[c], blk) as u8,
                     &mut wide,
                     block,
@@ -704,9 +857,45 @@ impl Params<'_> {
         for col in first..cols.end {
             let at = col - cols.start;
             let zero = |blk: usize| self.zero(col, blk) as u8;
-            q4_prompt_column(src(col), prompt, rows, shift, scales(col), zero, |r, v| {
-                block[r * width + at] = v
-            });
+            let out = |r: usize, v: f32| block[r * width + at] = v;
+            if self.lanes {
+                let (quad, scales) = (self.quad(b, col / 4 * 4), self.quad_scales(col / 4 * 4));
+                let value = |k: usize| lane_value(quad, col % 4, k);
+                let scale = |blk: usize| scales[blk * 4 + col % 4];
+                q4_prompt_column(value, prompt, rows, shift, scale, zero, out);
+            } else {
+                let src = src(col);
+                let value = |k: usize| ((src[k / 2] >> (4 * (k % 2))) & 15) as i32;
+                let scale = |blk: usize| scales(col)[blk];
+                q4_prompt_column(value, prompt, rows, shift, scale, zero, out);
+            }
+        }
+    }
+
+    /// The bytes of the quad of columns `first..first + 4` in lanes ([`to_lanes`]).
+    fn quad<'b>(&self, b: &'b [u8], first: usize) -> &'b [u8] {
+        let bytes = 4 * self.blocks * self.blob;
+        &b[first / 4 * bytes..(first / 4 + 1) * bytes]
+    }
+
+    /// The scales of the quad of columns `first..first + 4` in lanes, `[blocks, 4]`.
+    fn quad_scales(&self, first: usize) -> &[f32] {
+        let len = 4 * self.blocks;
+        &self.scales[first / 4 * len..(first / 4 + 1) * len]
+    }
+
+    /// The quad of columns `first..first + 4` in lanes, as f32 (`[4, padded]`, each column in
+    /// its order): `(q - zero) * scale`, as [`Params::dequantize`].
+    fn dequantize_quad(&self, first: usize, b: &[u8], w: &mut [f32]) {
+        let (quad, scales) = (self.quad(b, first), self.quad_scales(first));
+        let padded = self.blocks * self.bs;
+        for (c, w) in w.chunks_exact_mut(padded).take(4).enumerate() {
+            for (blk, w) in w.chunks_exact_mut(self.bs).enumerate() {
+                let (zero, scale) = (self.zero(first + c, blk), scales[blk * 4 + c]);
+                for (i, w) in w.iter_mut().enumerate() {
+                    *w = (lane_value(quad, c, blk * self.bs + i) as f32 - zero) * scale;
+                }
+            }
         }
     }
 
@@ -870,23 +1059,53 @@ mod kernels {
     /// (`_wide` is the simd128 kernel's buffer of widened weights, which this one needs not.)
     #[allow(clippy::too_many_arguments)]
     pub fn q4_prompt8(
-        src: [&[u8]; super::PROMPT_COLS],
+        source: &super::Eight,
         rows: &super::QuantizedRows,
         nrows: usize,
         shift: u32,
-        scales: [&[f32]; super::PROMPT_COLS],
         zero: impl Fn(usize, usize) -> u8,
         _wide: &mut Vec<[i32; 4]>,
         out: &mut [f32],
         width: usize,
         at: usize,
     ) {
-        for (c, (src, scales)) in src.into_iter().zip(scales).enumerate() {
+        for c in 0..super::PROMPT_COLS {
+            let value = |k: usize| match source {
+                super::Eight::Columns(src, _) => ((src[c][k / 2] >> (4 * (k % 2))) & 15) as i32,
+                super::Eight::Lanes(quads, _) => super::lane_value(quads[c / 4], c % 4, k),
+            };
+            let scale = |blk: usize| source.scale(c, blk);
             let zero = |blk: usize| zero(c, blk);
-            super::q4_prompt_column(src, rows, nrows, shift, scales, zero, |r, v| {
+            super::q4_prompt_column(value, rows, nrows, shift, scale, zero, |r, v| {
                 out[r * width + at + c] = v
             });
         }
+    }
+
+    /// [`q4_columns4_i16`] of a quad of columns in lanes (`super::to_lanes`; its scales
+    /// `[blocks, 4]`, the row in its own order): the same integer sums, f32 operations and
+    /// order, so the same bits.
+    pub fn q4_lanes_i16(
+        quad: &[u8],
+        row: &super::QuantizedRow,
+        shift: u32,
+        scales: &[f32],
+        zero: impl Fn(usize, usize) -> u8,
+    ) -> [f32; 4] {
+        let groups = quad.len() / (2 * GROUP);
+        let mut total = [0f32; 4];
+        for g in 0..groups {
+            let blk = g >> shift;
+            let x = &row.q[g * GROUP..(g + 1) * GROUP];
+            for (c, total) in total.iter_mut().enumerate() {
+                let sum: i32 = (0..GROUP)
+                    .map(|e| super::lane_value(quad, c, g * GROUP + e) * x[e] as i32)
+                    .sum();
+                let sum = sum - zero(c, blk) as i32 * row.sums[g];
+                *total += sum as f32 * (row.scales[g] * scales[blk * 4 + c]);
+            }
+        }
+        total
     }
 
     /// The largest magnitude of a group of `x` (`QuantizedRow::of`); `None` when a value is
@@ -900,14 +1119,19 @@ mod kernels {
     }
 
     /// A group of `x` rounded to 16-bit integers, `x * inv` (ties to even, within +-32767), in
-    /// the kernel's order (`super::q4_order`); returns their sum.
-    pub fn quantize_group(group: &[f32; GROUP], inv: f32, out: &mut [i16; GROUP]) -> i32 {
+    /// the kernel's order (`super::q4_order`) or in their own; returns their sum.
+    pub fn quantize_group(
+        group: &[f32; GROUP],
+        inv: f32,
+        out: &mut [i16; GROUP],
+        nibble_order: bool,
+    ) -> i32 {
         let mut sum = 0;
         for (e, x) in group.iter().enumerate() {
             // Ties to even: one `f32.nearest` in wasm (`round` is a call to roundf). A NaN
             // (`0 * inv` where `inv` overflowed) becomes 0.
             let v = (x * inv).round_ties_even().clamp(-32767.0, 32767.0) as i16;
-            out[super::q4_order(e)] = v;
+            out[if nibble_order { super::q4_order(e) } else { e }] = v;
             sum += v as i32;
         }
         sum
@@ -1050,9 +1274,14 @@ mod kernels {
 
     /// The portable `quantize_group` with simd128, the same integers: the values rounded four
     /// at a time (a NaN converts to 0, an infinity saturates before the clamp), then the eight
-    /// i32x4 narrowed and transposed by shuffles into the kernel's order (lane `j` of output
+    /// i32x4 narrowed, and for the kernel's order transposed by shuffles (lane `j` of output
     /// vector `r` is value `4j + r`).
-    pub fn quantize_group(group: &[f32; GROUP], inv: f32, out: &mut [i16; GROUP]) -> i32 {
+    pub fn quantize_group(
+        group: &[f32; GROUP],
+        inv: f32,
+        out: &mut [i16; GROUP],
+        nibble_order: bool,
+    ) -> i32 {
         let p = group.as_ptr() as *const v128;
         let (inv, lo, hi) = (f32x4_splat(inv), i32x4_splat(-32767), i32x4_splat(32767));
         let v: [v128; 8] = core::array::from_fn(|j| {
@@ -1066,6 +1295,14 @@ mod kernels {
         let total = i32x4_add(total, i32x4_shuffle::<1, 0, 3, 2>(total, total));
         // n[a]: values 8a..8a + 8.
         let n: [v128; 4] = core::array::from_fn(|a| i16x8_narrow_i32x4(v[2 * a], v[2 * a + 1]));
+        let o = out.as_mut_ptr() as *mut v128;
+        if !nibble_order {
+            for (a, n) in n.into_iter().enumerate() {
+                // SAFETY: values 8a..8a + 8 of the 32 of `out`.
+                unsafe { v128_store(o.add(a), n) };
+            }
+            return i32x4_extract_lane::<0>(total);
+        }
         // Values r and r + 1 of each four of two n's: half of output vector r, half of r + 1.
         let p01 = i16x8_shuffle::<0, 4, 8, 12, 1, 5, 9, 13>(n[0], n[1]);
         let q01 = i16x8_shuffle::<2, 6, 10, 14, 3, 7, 11, 15>(n[0], n[1]);
@@ -1077,7 +1314,6 @@ mod kernels {
             i64x2_shuffle::<0, 2>(q01, q23),
             i64x2_shuffle::<1, 3>(q01, q23),
         ];
-        let o = out.as_mut_ptr() as *mut v128;
         for (r, row) in rows.into_iter().enumerate() {
             // SAFETY: values 8r..8r + 8 of the 32 of `out`.
             unsafe { v128_store(o.add(r), row) };
@@ -1257,6 +1493,25 @@ mod kernels {
         unsafe { core::ptr::write_volatile(slot, v) }
     }
 
+    /// Lanes 0 and 1 the halves of `x`'s sum, 2 and 3 those of `y`'s (of their four lanes).
+    #[inline(always)]
+    fn pair_sums(x: v128, y: v128) -> v128 {
+        i32x4_add(
+            i32x4_shuffle::<0, 4, 1, 5>(x, y),
+            i32x4_shuffle::<2, 6, 3, 7>(x, y),
+        )
+    }
+
+    /// Lane `c` the sum of vector `c`'s four lanes, from `a = pair_sums(v0, v1)` and
+    /// `b = pair_sums(v2, v3)`.
+    #[inline(always)]
+    fn halves_sum(a: v128, b: v128) -> v128 {
+        i32x4_add(
+            i32x4_shuffle::<0, 1, 4, 5>(a, b),
+            i32x4_shuffle::<2, 3, 6, 7>(a, b),
+        )
+    }
+
     /// Group `g`'s 32 values of `x` (`QuantizedRow`) as four i16x8.
     ///
     /// # Safety
@@ -1347,21 +1602,10 @@ mod kernels {
                     group_dots(v128_load(src[c].as_ptr().add(g * 16) as *const v128), &x)
                 };
                 // Lane c: the sum of column c's four partial sums.
-                let (d0, d1) = (dots(0), dots(1));
-                let a = i32x4_add(
-                    i32x4_shuffle::<0, 4, 1, 5>(d0, d1),
-                    i32x4_shuffle::<2, 6, 3, 7>(d0, d1),
-                );
+                let a = pair_sums(dots(0), dots(1));
                 fence(&mut slot, a);
-                let (d2, d3) = (dots(2), dots(3));
-                let b = i32x4_add(
-                    i32x4_shuffle::<0, 4, 1, 5>(d2, d3),
-                    i32x4_shuffle::<2, 6, 3, 7>(d2, d3),
-                );
-                let sums = i32x4_add(
-                    i32x4_shuffle::<0, 1, 4, 5>(a, b),
-                    i32x4_shuffle::<2, 3, 6, 7>(a, b),
-                );
+                let b = pair_sums(dots(2), dots(3));
+                let sums = halves_sum(a, b);
                 let zeros = i32x4(
                     zero(0, blk) as i32,
                     zero(1, blk) as i32,
@@ -1390,6 +1634,83 @@ mod kernels {
         ]
     }
 
+    /// [`q4_columns4_i16`] of a quad of columns in lanes (`super::to_lanes`; its scales
+    /// `[blocks, 4]`, the row in its own order). A lane `n0 + 16 n1 + 256 n2 + 4096 m3` (`m3`
+    /// the last column's value less 8, read as a signed lane) and its arithmetic shifts right
+    /// by 4, 8 and 12 meet the row's eight values in four `i32x4.dot_i16x8_s`, whose sums
+    /// over a group are `A + 16 B + 256 C + 4096 D`, `B + 16 C + 256 D`, `C + 16 D` and `D`:
+    /// three shifts and subtractions give each column's sum (wrapping i32 arithmetic, exact
+    /// since each true sum is within i32), the last already less 8 times the row's sum. No
+    /// masks, the four columns' scales in one load, one stream: per group of 32 values of four
+    /// columns about 75 operations where `q4_columns4_i16` takes 87. The same integer sums,
+    /// f32 operations and order as the portable kernel, so the same bits.
+    pub fn q4_lanes_i16(
+        quad: &[u8],
+        row: &super::QuantizedRow,
+        shift: u32,
+        scales: &[f32],
+        zero: impl Fn(usize, usize) -> u8,
+    ) -> [f32; 4] {
+        let groups = quad.len() / (2 * GROUP);
+        assert!(
+            groups * GROUP <= row.q.len()
+                && groups <= row.sums.len()
+                && groups <= row.scales.len()
+                && (groups == 0 || (((groups - 1) >> shift) + 1) * 4 <= scales.len()),
+            "q4_lanes_i16: {groups} groups"
+        );
+        let w = quad.as_ptr() as *const v128;
+        let xp = row.q.as_ptr() as *const v128;
+        let sp = scales.as_ptr() as *const v128;
+        let mut total = f32x4_splat(0.0);
+        let mut slot = i32x4_splat(0);
+        for g in 0..groups {
+            let blk = g >> shift;
+            // SAFETY: vectors 4g..4g + 4 of the quad and of the row, the row's sums and scales
+            // at g, and the block's four scales, all within the asserted lengths; v128 loads
+            // are unaligned.
+            unsafe {
+                let mut acc = [i32x4_splat(0); 4];
+                for t in 0..4 {
+                    let v = v128_load(w.add(4 * g + t));
+                    let x = v128_load(xp.add(4 * g + t));
+                    acc[0] = i32x4_add(acc[0], i32x4_dot_i16x8(v, x));
+                    acc[1] = i32x4_add(acc[1], i32x4_dot_i16x8(i16x8_shr(v, 4), x));
+                    acc[2] = i32x4_add(acc[2], i32x4_dot_i16x8(i16x8_shr(v, 8), x));
+                    acc[3] = i32x4_add(acc[3], i32x4_dot_i16x8(i16x8_shr(v, 12), x));
+                    // Each vector's loads after the last one's arithmetic (`fence`): 5.3 ms
+                    // for q4 SmolLM2's 106 M weights against 5.7-5.9 without.
+                    fence(&mut slot, acc[0]);
+                }
+                let a = i32x4_sub(acc[0], i32x4_shl(acc[1], 4));
+                let b = i32x4_sub(acc[1], i32x4_shl(acc[2], 4));
+                let c = i32x4_sub(acc[2], i32x4_shl(acc[3], 4));
+                let sums = halves_sum(pair_sums(a, b), pair_sums(c, acc[3]));
+                let zeros = i32x4(
+                    zero(0, blk) as i32,
+                    zero(1, blk) as i32,
+                    zero(2, blk) as i32,
+                    zero(3, blk) as i32 - 8,
+                );
+                let sums = i32x4_sub(
+                    sums,
+                    i32x4_mul(zeros, i32x4_splat(*row.sums.get_unchecked(g))),
+                );
+                let factor = f32x4_mul(
+                    f32x4_splat(*row.scales.get_unchecked(g)),
+                    v128_load(sp.add(blk)),
+                );
+                total = f32x4_add(total, f32x4_mul(f32x4_convert_i32x4(sums), factor));
+            }
+        }
+        [
+            f32x4_extract_lane::<0>(total),
+            f32x4_extract_lane::<1>(total),
+            f32x4_extract_lane::<2>(total),
+            f32x4_extract_lane::<3>(total),
+        ]
+    }
+
     /// Eight columns of a prompt ([`super::Params::q4_prompt`]) into columns `at..at + 8` of
     /// `out` (`[nrows, width]`). Their weights less their zero points are widened once, each
     /// group's 16 bytes a column into 32 i16 (natural order, nibbles interleaved by a shuffle)
@@ -1398,11 +1719,10 @@ mod kernels {
     /// four rows a pass. The same integer sums and f32 operations as `q4_prompt_column`.
     #[allow(clippy::too_many_arguments)]
     pub fn q4_prompt8(
-        src: [&[u8]; super::PROMPT_COLS],
+        source: &super::Eight,
         rows: &super::QuantizedRows,
         nrows: usize,
         shift: u32,
-        scales: [&[f32]; super::PROMPT_COLS],
         zero: impl Fn(usize, usize) -> u8,
         wide: &mut Vec<v128>,
         out: &mut [f32],
@@ -1415,10 +1735,18 @@ mod kernels {
         } else {
             ((groups - 1) >> shift) + 1
         };
+        let fits = match source {
+            super::Eight::Columns(src, scales) => {
+                src.iter().all(|s| s.len() >= groups * (GROUP / 2))
+                    && scales.iter().all(|s| s.len() >= blocks)
+            }
+            super::Eight::Lanes(quads, scales) => {
+                quads.iter().all(|q| q.len() >= groups * 2 * GROUP)
+                    && scales.iter().all(|s| s.len() >= blocks * 4)
+            }
+        };
         assert!(
-            src.iter().all(|s| s.len() >= groups * (GROUP / 2))
-                && scales.iter().all(|s| s.len() >= blocks)
-                && rows.pairs.len() >= nrows * groups * 16
+            fits && rows.pairs.len() >= nrows * groups * 16
                 && rows.scales.len() >= nrows * groups
                 && (nrows == 0 || out.len() >= (nrows - 1) * width + at + 8),
             "q4_prompt8: {groups} groups, {nrows} rows"
@@ -1430,42 +1758,77 @@ mod kernels {
             let blk = g >> shift;
             for half in 0..2 {
                 // Column c's pairs 4j..4j + 4 of the group as i32 lanes.
-                let quads: [[v128; 4]; 4] = std::array::from_fn(|c| {
-                    let col = 4 * half + c;
-                    // SAFETY: bytes 16g..16g + 16 of the column, within the asserted length;
-                    // v128_load accepts unaligned addresses.
-                    let v = unsafe { v128_load(src[col].as_ptr().add(g * 16) as *const v128) };
-                    let (lo, hi) = (v128_and(v, low), u8x16_shr(v, 4));
-                    let first =
-                        i8x16_shuffle::<0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23>(
-                            lo, hi,
-                        );
-                    let second = i8x16_shuffle::<
-                        8,
-                        24,
-                        9,
-                        25,
-                        10,
-                        26,
-                        11,
-                        27,
-                        12,
-                        28,
-                        13,
-                        29,
-                        14,
-                        30,
-                        15,
-                        31,
-                    >(lo, hi);
-                    let z = i16x8_splat(zero(col, blk) as i16);
-                    [
-                        i16x8_sub(u16x8_extend_low_u8x16(first), z),
-                        i16x8_sub(u16x8_extend_high_u8x16(first), z),
-                        i16x8_sub(u16x8_extend_low_u8x16(second), z),
-                        i16x8_sub(u16x8_extend_high_u8x16(second), z),
-                    ]
-                });
+                let quads: [[v128; 4]; 4] = match source {
+                    super::Eight::Lanes(quads, _) => {
+                        let z = [0, 1, 2, 3].map(|c| zero(4 * half + c, blk) as i16);
+                        // SAFETY: vectors 4g..4g + 4 of the quad, within the asserted length.
+                        let v = [0, 1, 2, 3].map(|t| unsafe {
+                            v128_load(quads[half].as_ptr().add((4 * g + t) * 16) as *const v128)
+                        });
+                        let mask = u16x8_splat(0x000f);
+                        // The last column's values are stored less 8 (`super::to_lanes`).
+                        [
+                            v.map(|v| i16x8_sub(v128_and(v, mask), i16x8_splat(z[0]))),
+                            v.map(|v| {
+                                i16x8_sub(v128_and(u16x8_shr(v, 4), mask), i16x8_splat(z[1]))
+                            }),
+                            v.map(|v| {
+                                i16x8_sub(v128_and(u16x8_shr(v, 8), mask), i16x8_splat(z[2]))
+                            }),
+                            v.map(|v| i16x8_sub(i16x8_shr(v, 12), i16x8_splat(z[3] - 8))),
+                        ]
+                    }
+                    super::Eight::Columns(src, _) => std::array::from_fn(|c| {
+                        let col = 4 * half + c;
+                        // SAFETY: bytes 16g..16g + 16 of the column, within the asserted length;
+                        // v128_load accepts unaligned addresses.
+                        let v = unsafe { v128_load(src[col].as_ptr().add(g * 16) as *const v128) };
+                        let (lo, hi) = (v128_and(v, low), u8x16_shr(v, 4));
+                        let first = i8x16_shuffle::<
+                            0,
+                            16,
+                            1,
+                            17,
+                            2,
+                            18,
+                            3,
+                            19,
+                            4,
+                            20,
+                            5,
+                            21,
+                            6,
+                            22,
+                            7,
+                            23,
+                        >(lo, hi);
+                        let second = i8x16_shuffle::<
+                            8,
+                            24,
+                            9,
+                            25,
+                            10,
+                            26,
+                            11,
+                            27,
+                            12,
+                            28,
+                            13,
+                            29,
+                            14,
+                            30,
+                            15,
+                            31,
+                        >(lo, hi);
+                        let z = i16x8_splat(zero(col, blk) as i16);
+                        [
+                            i16x8_sub(u16x8_extend_low_u8x16(first), z),
+                            i16x8_sub(u16x8_extend_high_u8x16(first), z),
+                            i16x8_sub(u16x8_extend_low_u8x16(second), z),
+                            i16x8_sub(u16x8_extend_high_u8x16(second), z),
+                        ]
+                    }),
+                };
                 for j in 0..4 {
                     let [a, b, c, d] = [0, 1, 2, 3].map(|col| quads[col][j]);
                     let t0 = i32x4_shuffle::<0, 4, 1, 5>(a, b);
@@ -1486,7 +1849,7 @@ mod kernels {
         }
         let block_scales: Vec<[v128; 2]> = (0..blocks)
             .map(|blk| {
-                let s = |c: usize| scales[c][blk];
+                let s = |c: usize| source.scale(c, blk);
                 [f32x4(s(0), s(1), s(2), s(3)), f32x4(s(4), s(5), s(6), s(7))]
             })
             .collect();
@@ -1605,6 +1968,7 @@ mod tests {
                 bias: None,
                 inputs: 3,
                 label: "test".into(),
+                lanes: false,
             };
             let b: Vec<u8> = (0..n * op.blocks() * op.blob())
                 .map(|_| next() as u8)
