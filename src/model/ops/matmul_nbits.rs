@@ -748,20 +748,22 @@ fn q4_prompt_column(
     mut out: impl FnMut(usize, f32),
 ) {
     let groups = rows.groups;
-    for r in 0..nrows {
-        let mut total = 0f32;
-        for g in 0..groups {
-            let blk = g >> shift;
-            let z = zero(blk) as i32;
+    let mut totals = vec![0f32; nrows];
+    for g in 0..groups {
+        let blk = g >> shift;
+        let z = zero(blk) as i32;
+        let w: [i32; GROUP] = std::array::from_fn(|e| value(g * GROUP + e) - z);
+        for (r, total) in totals.iter_mut().enumerate() {
             let pairs = &rows.pairs[(r * groups + g) * 16..(r * groups + g + 1) * 16];
             let mut sum = 0i32;
-            for (i, &p) in pairs.iter().enumerate() {
+            for (w, &p) in w.chunks_exact(2).zip(pairs) {
                 let (x0, x1) = (p as i16 as i32, (p >> 16) as i16 as i32);
-                let k = g * GROUP + 2 * i;
-                sum += (value(k) - z) * x0 + (value(k + 1) - z) * x1;
+                sum += w[0] * x0 + w[1] * x1;
             }
-            total += sum as f32 * (rows.scales[r * groups + g] * scale(blk));
+            *total += sum as f32 * (rows.scales[r * groups + g] * scale(blk));
         }
+    }
+    for (r, total) in totals.into_iter().enumerate() {
         out(r, total);
     }
 }
@@ -888,14 +890,11 @@ impl Params<'_> {
     /// its order): `(q - zero) * scale`, as [`Params::dequantize`].
     fn dequantize_quad(&self, first: usize, b: &[u8], w: &mut [f32]) {
         let (quad, scales) = (self.quad(b, first), self.quad_scales(first));
-        let padded = self.blocks * self.bs;
-        for (c, w) in w.chunks_exact_mut(padded).take(4).enumerate() {
-            for (blk, w) in w.chunks_exact_mut(self.bs).enumerate() {
-                let (zero, scale) = (self.zero(first + c, blk), scales[blk * 4 + c]);
-                for (i, w) in w.iter_mut().enumerate() {
-                    *w = (lane_value(quad, c, blk * self.bs + i) as f32 - zero) * scale;
-                }
-            }
+        let zero = |c: usize, blk: usize| self.zero(first + c, blk);
+        match self.zp {
+            // The default zero point as a constant, as in `column_dot`.
+            Zero::Default => kernels::dequantize_lanes(quad, self.bs, scales, |_, _| 8.0, w),
+            _ => kernels::dequantize_lanes(quad, self.bs, scales, zero, w),
         }
     }
 
@@ -1097,10 +1096,15 @@ mod kernels {
         for g in 0..groups {
             let blk = g >> shift;
             let x = &row.q[g * GROUP..(g + 1) * GROUP];
-            for (c, total) in total.iter_mut().enumerate() {
-                let sum: i32 = (0..GROUP)
-                    .map(|e| super::lane_value(quad, c, g * GROUP + e) * x[e] as i32)
-                    .sum();
+            let lanes = &quad[g * 2 * GROUP..(g + 1) * 2 * GROUP];
+            let mut sums = [0i32; 4];
+            for (lane, &x) in lanes.chunks_exact(2).zip(x) {
+                let lane = u16::from_le_bytes([lane[0], lane[1]]) ^ 0x8000;
+                for (c, sum) in sums.iter_mut().enumerate() {
+                    *sum += ((lane >> (4 * c)) & 15) as i32 * x as i32;
+                }
+            }
+            for (c, (total, sum)) in total.iter_mut().zip(sums).enumerate() {
                 let sum = sum - zero(c, blk) as i32 * row.sums[g];
                 *total += sum as f32 * (row.scales[g] * scales[blk * 4 + c]);
             }
@@ -1149,6 +1153,26 @@ mod kernels {
         let blocks = src.chunks_exact(bs / 2).zip(dst.chunks_exact_mut(bs));
         for (blk, (src, dst)) in blocks.enumerate() {
             super::dequantize_q4_any(src, zero(blk), scales[blk], dst, GROUP);
+        }
+    }
+
+    /// A quad of columns in lanes (`super::to_lanes`; its scales `[blocks, 4]`) as f32 into
+    /// `dst` (`[4, padded]`), `(q - zero(c, blk)) * scale`, each column in its order.
+    pub fn dequantize_lanes(
+        quad: &[u8],
+        bs: usize,
+        scales: &[f32],
+        zero: impl Fn(usize, usize) -> f32,
+        dst: &mut [f32],
+    ) {
+        let padded = quad.len() / 2;
+        for (c, dst) in dst.chunks_exact_mut(padded).take(4).enumerate() {
+            for (blk, dst) in dst.chunks_exact_mut(bs).enumerate() {
+                let (zero, scale) = (zero(c, blk), scales[blk * 4 + c]);
+                for (i, d) in dst.iter_mut().enumerate() {
+                    *d = (super::lane_value(quad, c, blk * bs + i) as f32 - zero) * scale;
+                }
+            }
         }
     }
 
@@ -1372,6 +1396,60 @@ mod kernels {
                     let d = dst.as_mut_ptr().add(g * GROUP);
                     dequantize16(v128_and(v, mask), zero, scale, d);
                     dequantize16(u8x16_shr(v, 4), zero, scale, d.add(GROUP / 2));
+                }
+            }
+        }
+    }
+
+    /// The portable `dequantize_lanes` with simd128, the same bits: each column's eight values
+    /// of a vector separated (as `q4_lanes_i16` does, the last column's top bit flipped back),
+    /// widened and converted, then `(q - zero) * scale` as `dequantize16`.
+    pub fn dequantize_lanes(
+        quad: &[u8],
+        bs: usize,
+        scales: &[f32],
+        zero: impl Fn(usize, usize) -> f32,
+        dst: &mut [f32],
+    ) {
+        let padded = quad.len() / 2;
+        let blocks = padded / bs;
+        assert!(
+            padded.is_multiple_of(bs)
+                && bs.is_multiple_of(GROUP)
+                && scales.len() >= blocks * 4
+                && dst.len() >= 4 * padded,
+            "dequantize_lanes: {} bytes, {} scales, {} values, blocks of {bs}",
+            quad.len(),
+            scales.len(),
+            dst.len()
+        );
+        let (mask, flip) = (u16x8_splat(0x000f), u16x8_splat(8));
+        let w = quad.as_ptr() as *const v128;
+        for blk in 0..blocks {
+            let zeros = [0, 1, 2, 3].map(|c| f32x4_splat(zero(c, blk)));
+            let block_scales = [0, 1, 2, 3].map(|c| f32x4_splat(scales[blk * 4 + c]));
+            // Vector t of the quad: values 8t..8t + 8.
+            for t in blk * bs / 8..(blk + 1) * bs / 8 {
+                // SAFETY: vector t of the quad (padded / 8 of them), and values 8t..8t + 8 of
+                // each column's `padded` in `dst`, in bounds (asserted above); v128 loads and
+                // stores are unaligned.
+                unsafe {
+                    let v = v128_load(w.add(t));
+                    for c in 0..4 {
+                        let q = match c {
+                            3 => v128_xor(u16x8_shr(v, 12), flip),
+                            _ => v128_and(u16x8_shr(v, 4 * c as u32), mask),
+                        };
+                        let d = dst.as_mut_ptr().add(c * padded + 8 * t);
+                        for (j, q) in [u32x4_extend_low_u16x8(q), u32x4_extend_high_u16x8(q)]
+                            .into_iter()
+                            .enumerate()
+                        {
+                            let q = f32x4_convert_i32x4(q);
+                            let w = f32x4_mul(f32x4_sub(q, zeros[c]), block_scales[c]);
+                            v128_store(d.add(4 * j) as *mut v128, w);
+                        }
+                    }
                 }
             }
         }
