@@ -139,7 +139,7 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
             if let Some((matrix, layout)) = weight {
                 node.op_type = MATMUL_WEIGHTS.into();
                 node.input[1] = matrix.clone();
-                node.attribute.push(layout_attribute(layout));
+                node.attribute.push(layout_attribute(layout.attribute()));
                 kept_f16.insert(matrix);
                 nodes.push(node);
                 continue;
@@ -184,20 +184,12 @@ pub fn rewrite(proto: &mut pb::ModelProto, apart: &mut Apart) -> Result<()> {
     }
     for node in graph.node.iter_mut() {
         if is_matmul_nbits(node) && lanes.contains_key(&node.input[1]) {
-            node.attribute.push(pb::AttributeProto {
-                name: "layout".into(),
-                r#type: pb::attribute_proto::AttributeType::Int as i32,
-                i: matmul_nbits::LANES_ATTRIBUTE,
-                ..Default::default()
-            });
+            node.attribute
+                .push(layout_attribute(matmul_nbits::LANES_ATTRIBUTE));
         }
         if is_matmul_integer(node) && integer_blocks.contains(&node.input[1]) {
-            node.attribute.push(pb::AttributeProto {
-                name: "layout".into(),
-                r#type: pb::attribute_proto::AttributeType::Int as i32,
-                i: matmul_integer::BLOCKS_ATTRIBUTE,
-                ..Default::default()
-            });
+            node.attribute
+                .push(layout_attribute(matmul_integer::BLOCKS_ATTRIBUTE));
         }
     }
     if !f16 {
@@ -482,7 +474,7 @@ fn weights_in_subgraphs(
             if let Some(&layout) = transpose.get(&node.input.get(1).cloned().unwrap_or_default()) {
                 if is_plain_matmul(node) {
                     node.op_type = MATMUL_WEIGHTS.into();
-                    node.attribute.push(layout_attribute(layout));
+                    node.attribute.push(layout_attribute(layout.attribute()));
                     kept_f16.insert(node.input[1].clone());
                 }
             }
@@ -521,7 +513,8 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
             if is_matmul && node.input.len() == 2 && transposed.contains_key(&b) {
                 node.op_type = MATMUL_WEIGHTS.into();
                 node.input[1] = transposed[&b].clone();
-                node.attribute.push(layout_attribute(Layout::Nk));
+                node.attribute
+                    .push(layout_attribute(Layout::Nk.attribute()));
             } else if is_matmul && !initializers.contains(&b) {
                 node.op_type = crate::model::ops::matmul_runtime::MATMUL_RUNTIME.into();
                 if let Some((k, scale)) = keys.get(&b) {
@@ -674,11 +667,13 @@ fn transposed_matrices(
         .collect()
 }
 
-fn layout_attribute(layout: Layout) -> pb::AttributeProto {
+/// The `layout` attribute that tells an op how its weight was laid out here (`Layout`'s, or
+/// `MatMulInteger`'s blocks, or `MatMulNBits`' lanes).
+fn layout_attribute(value: i64) -> pb::AttributeProto {
     pb::AttributeProto {
         name: "layout".into(),
         r#type: pb::attribute_proto::AttributeType::Int as i32,
-        i: layout.attribute(),
+        i: value,
         ..Default::default()
     }
 }

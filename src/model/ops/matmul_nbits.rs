@@ -768,20 +768,21 @@ fn q4_prompt_column(
     }
 }
 
-/// Value `k` (0 to 15) of column `c` of a quad of columns in lanes ([`to_lanes`]).
+/// Lane `k` of a quad of columns in lanes ([`to_lanes`]) with the last column's top bit
+/// flipped back: column `c`'s value in bits `4c..4c + 4`.
+#[inline(always)]
+fn lane(quad: &[u8], k: usize) -> u16 {
+    u16::from_le_bytes([quad[2 * k], quad[2 * k + 1]]) ^ 0x8000
+}
+
+/// Value `k` (0 to 15) of column `c` of a quad of columns in lanes.
 #[inline(always)]
 fn lane_value(quad: &[u8], c: usize, k: usize) -> i32 {
-    let lane = u16::from_le_bytes([quad[2 * k], quad[2 * k + 1]]);
-    let v = ((lane >> (4 * c)) & 15) as i32;
-    if c == 3 {
-        v ^ 8
-    } else {
-        v
-    }
+    ((lane(quad, k) >> (4 * c)) & 15) as i32
 }
 
 /// The eight columns the 4-bit prompt kernel takes at a time (`kernels::q4_prompt8`).
-pub(crate) enum Eight<'a> {
+enum Eight<'a> {
     /// Each column's bytes and scales, as in the file.
     Columns([&'a [u8]; PROMPT_COLS], [&'a [f32]; PROMPT_COLS]),
     /// Two quads in lanes ([`to_lanes`]) and their scales (`[blocks, 4]` each).
@@ -1096,10 +1097,9 @@ mod kernels {
         for g in 0..groups {
             let blk = g >> shift;
             let x = &row.q[g * GROUP..(g + 1) * GROUP];
-            let lanes = &quad[g * 2 * GROUP..(g + 1) * 2 * GROUP];
             let mut sums = [0i32; 4];
-            for (lane, &x) in lanes.chunks_exact(2).zip(x) {
-                let lane = u16::from_le_bytes([lane[0], lane[1]]) ^ 0x8000;
+            for (e, &x) in x.iter().enumerate() {
+                let lane = super::lane(quad, g * GROUP + e);
                 for (c, sum) in sums.iter_mut().enumerate() {
                     *sum += ((lane >> (4 * c)) & 15) as i32 * x as i32;
                 }
