@@ -13,10 +13,11 @@
 //!   is stored in blocks of four columns in place (`ops/matmul_integer.rs`,
 //!   `Layout::Blocks`), the nodes' `layout` attribute set to say so: a decoding step reads
 //!   each block in one stream, four blocks at a time.
-//! * A 4-bit `MatMulNBits` weight (blocks of 32 values or more, N a multiple of 4, integer
-//!   zero points) that only its node reads is laid out in lanes with its scales, four columns'
-//!   values in each 16-bit lane (`ops/matmul_nbits.rs`, `to_lanes`), the node's `layout`
-//!   attribute set to say so: a decoding step separates the columns with shifts alone.
+//! * A 4-bit `MatMulNBits` weight (blocks of 32 values or more, N a multiple of 16, integer
+//!   zero points) that only its node reads is laid out in lanes with its scales, sixteen
+//!   columns together, four columns' values in each 16-bit lane (`ops/matmul_nbits.rs`,
+//!   `to_lanes`), the node's `layout` attribute set to say so: a decoding step separates the
+//!   columns with shifts alone, a column a lane of its sums.
 //! * In decoder and encoder graphs, the `MatMul`s of runtime operands (the attention products)
 //!   become `MatMulRuntime` (`runtime_matmuls`); one by a `Transpose` of the last two axes
 //!   (scaled or not: the keys of `Q K^T`) reads the untransposed tensor (`trans_b`).
@@ -320,7 +321,7 @@ enum Lanes {
 }
 
 /// The 4-bit weights of the graph's `MatMulNBits`s that fit lanes (`matmul_nbits::fits_lanes`:
-/// blocks of 32 values or more, N a multiple of 4) and their scales, to be laid out so
+/// blocks of 32 values or more, N a multiple of 16) and their scales, to be laid out so
 /// (`matmul_nbits::to_lanes`), so that a decoding step reads four columns' values in each
 /// 16-bit lane and separates them with shifts alone: each a `uint8` `B` of `N * blocks *
 /// block_size / 2` bytes and its float or float16 scales of `N * blocks` values, data bytes
@@ -1143,7 +1144,7 @@ mod tests {
 
     /// The 4-bit weights of `MatMulNBits`s that fit lanes, and that their node alone reads, are
     /// laid out in lanes with their scales and the node's `layout` attribute says so; the
-    /// others stay as they are (float zero points, N not a multiple of 4, a weight another node
+    /// others stay as they are (float zero points, N not a multiple of 16, a weight another node
     /// reads too). The graphs give the same bits, for a decoding row and for a prompt.
     #[test]
     fn nbits_weights_that_fit_are_in_lanes() {
@@ -1207,7 +1208,7 @@ mod tests {
             }),
             ..Default::default()
         };
-        let zp_float: Vec<u8> = (0..8 * blocks).flat_map(|_| 7f32.to_le_bytes()).collect();
+        let zp_float: Vec<u8> = (0..16 * blocks).flat_map(|_| 7f32.to_le_bytes()).collect();
         let identity = pb::NodeProto {
             op_type: "Identity".into(),
             name: "shared".into(),
@@ -1229,22 +1230,22 @@ mod tests {
             ],
             graph: Some(pb::GraphProto {
                 node: vec![
-                    nbits(&["a", "w", "ws"], "yw", 8),
-                    nbits(&["a", "v", "vs", "vz"], "yv", 8),
-                    nbits(&["a", "x", "xs"], "yx", 6),
-                    nbits(&["a", "u", "us"], "yu", 8),
+                    nbits(&["a", "w", "ws"], "yw", 16),
+                    nbits(&["a", "v", "vs", "vz"], "yv", 16),
+                    nbits(&["a", "x", "xs"], "yx", 12),
+                    nbits(&["a", "u", "us"], "yu", 16),
                     identity,
                 ],
                 initializer: vec![
-                    weight("w", 8, 1),
-                    scale("ws", 8),
-                    weight("v", 8, 2),
-                    scale("vs", 8),
-                    init("vz", FLOAT, vec![(8 * blocks) as i64], zp_float),
-                    weight("x", 6, 3),
-                    scale("xs", 6),
-                    weight("u", 8, 4),
-                    scale("us", 8),
+                    weight("w", 16, 1),
+                    scale("ws", 16),
+                    weight("v", 16, 2),
+                    scale("vs", 16),
+                    init("vz", FLOAT, vec![(16 * blocks) as i64], zp_float),
+                    weight("x", 12, 3),
+                    scale("xs", 12),
+                    weight("u", 16, 4),
+                    scale("us", 16),
                 ],
                 input: vec![value("a")],
                 output: ["yw", "yv", "yx", "yu", "u_again"].map(value).to_vec(),
@@ -1262,19 +1263,19 @@ mod tests {
             (None, None, None)
         );
         let raw = |name: &str| raw_of(graph, name);
-        let mut lanes = vec![0u8; 8 * k / 2];
-        matmul_nbits::to_lanes(&bytes(8, 1), 8, k, &mut lanes);
-        let mut lane_scales = vec![0u8; 8 * blocks * 4];
-        matmul_nbits::scales_to_lanes(&scales(8), 4, 8, blocks, &mut lane_scales);
+        let mut lanes = vec![0u8; 16 * k / 2];
+        matmul_nbits::to_lanes(&bytes(16, 1), 16, k, &mut lanes);
+        let mut lane_scales = vec![0u8; 16 * blocks * 4];
+        matmul_nbits::scales_to_lanes(&scales(16), 4, 16, blocks, &mut lane_scales);
         assert_eq!((raw("w"), raw("ws")), (&lanes, &lane_scales));
-        assert_ne!(raw("w"), &bytes(8, 1));
+        assert_ne!(raw("w"), &bytes(16, 1));
         assert_eq!(
             (raw("v"), raw("x"), raw("u")),
-            (&bytes(8, 2), &bytes(6, 3), &bytes(8, 4))
+            (&bytes(16, 2), &bytes(12, 3), &bytes(16, 4))
         );
         assert_eq!(
             (raw("vs"), raw("xs"), raw("us")),
-            (&scales(8), &scales(6), &scales(8))
+            (&scales(16), &scales(12), &scales(16))
         );
         for rows in [1usize, 9] {
             let (want, got) = (run(&original, rows, k), run(&rewritten, rows, k));

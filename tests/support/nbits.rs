@@ -302,20 +302,20 @@ pub fn check_prompt() {
 }
 
 /// 4-bit weights in lanes (`to_lanes`, `scales_to_lanes`, as the loader lays them out) give
-/// the same outputs as the weights as they lie: bit for bit for a decoding row (its 16-bit
-/// kernel) and a prompt of `INTEGER_PROMPT_ROWS` rows or more; through f32 weights (2 to 7
-/// rows, or a NaN in the row or prompt) within the rounding of sums taken in another order,
-/// NaN where the row has one. Block sizes 32 to 128 (a partial last block), default and packed
-/// zero points, N from 4 to 24 (the prompt kernel takes eight columns at a time: 4, 12 and 20
-/// leave a quad to the column kernel).
+/// each row the bits that the weights as they lie give it alone (a decoding row, rounded to 16
+/// bits): every row of a prompt, which as they lie is rounded so from `INTEGER_PROMPT_ROWS`
+/// rows and taken through f32 weights below. With a NaN in a row, every row goes through f32
+/// weights, as it does for the weights as they lie: the same outputs within the rounding of
+/// sums taken in another order, NaN where the row has one. Block sizes 32 to 128 (a partial last block), default and packed
+/// zero points, N of one to three passes of sixteen columns.
 pub fn check_lanes() {
     let mut next = stream(0x0a40_9382_2299_f31d);
     for (bs, k, n, packed) in [
-        (32, 96, 8, false),
-        (32, 200, 12, true),
-        (64, 130, 4, true),
-        (128, 384, 20, false),
-        (64, 256, 24, true),
+        (32, 96, 16, false),
+        (32, 200, 32, true),
+        (64, 130, 16, true),
+        (128, 384, 48, false),
+        (64, 256, 16, true),
     ] {
         let op = q4_op(k, n, bs);
         let in_lanes = NBits {
@@ -352,11 +352,26 @@ pub fn check_lanes() {
                     a[k / 2] = f32::NAN;
                 }
                 let mut want = vec![0f32; rows * n];
-                matmul(&op, &a, rows, &b, &scales, &zp, &mut want).unwrap();
+                if with_nan {
+                    matmul(&op, &a, rows, &b, &scales, &zp, &mut want).unwrap();
+                } else {
+                    for (row, want) in a.chunks_exact(k).zip(want.chunks_exact_mut(n)) {
+                        matmul(&op, row, 1, &b, &scales, &zp, want).unwrap();
+                    }
+                    if rows >= INTEGER_PROMPT_ROWS {
+                        // (The prompt kernel, the same bits.)
+                        let mut prompt = vec![0f32; rows * n];
+                        matmul(&op, &a, rows, &b, &scales, &zp, &mut prompt).unwrap();
+                        assert_eq!(
+                            prompt.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            "bs={bs} k={k} n={n} rows={rows}: the prompt kernel as they lie"
+                        );
+                    }
+                }
                 let mut got = vec![0f32; rows * n];
                 matmul(&in_lanes, &a, rows, &lanes_b, &lanes_scales, &zp, &mut got).unwrap();
-                // (A prompt with a NaN goes through f32 weights whole.)
-                let same_bits = !with_nan && (rows == 1 || rows >= INTEGER_PROMPT_ROWS);
+                let same_bits = !with_nan;
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     let ok = if w.is_nan() {
                         g.is_nan()

@@ -13,10 +13,12 @@
 //! eight columns at a time are widened to 16-bit integers once and multiplied with every row
 //! (`QuantizedRows`, `Params::q4_prompt`); otherwise the kernel dequantizes four columns at a
 //! time (with simd128 in wasm) and multiplies them with every row of `A`. The f32 weight never
-//! exists whole in memory. A 4-bit weight that fits is laid out at load in lanes, four
-//! columns' values in each 16-bit lane (`to_lanes`, by `model::weights`; the `layout`
-//! attribute): the same outputs, and the decoding kernel separates them with shifts alone
-//! (`kernels::q4_lanes_i16`).
+//! exists whole in memory. A 4-bit weight that fits is laid out at load in lanes, sixteen
+//! columns together, four columns' values in each 16-bit lane (`to_lanes`, by
+//! `model::weights`; the `layout` attribute): the decoding kernel separates them with shifts
+//! alone, a column a lane of its sums (`kernels::q4_lanes_i16`), and takes every row of `A`,
+//! each rounded as a decoding row (the same outputs as the weight as it lies, but for 2 to 7
+//! rows, which it rounds too).
 //! Not supported (a load-time error naming the node): `g_idx`, other bit widths, a `B`,
 //! `scales` or `zero_points` whose shape does not match `K`, `N`, `bits` and `block_size`.
 
@@ -38,7 +40,7 @@ pub struct NBits {
     pub bias: Option<usize>,
     pub inputs: usize,
     pub label: String,
-    /// `B` and `scales` laid out four columns together at load ([`to_lanes`]): the node's
+    /// `B` and `scales` laid out sixteen columns together at load ([`to_lanes`]): the node's
     /// `layout` attribute is [`LANES_ATTRIBUTE`].
     pub lanes: bool,
 }
@@ -101,7 +103,7 @@ pub fn parse(node: &NodeProto) -> TractResult<NBits> {
         None => false,
         Some(LANES_ATTRIBUTE) if fits_lanes(bits as usize, block_size as usize, n as usize) => true,
         Some(LANES_ATTRIBUTE) => bail!(
-            "{label}: B in lanes needs 4 bits, block_size 32 or more and N a multiple of 4; \
+            "{label}: B in lanes needs 4 bits, block_size 32 or more and N a multiple of 16; \
              bits={bits} block_size={block_size} N={n}"
         ),
         Some(v) => bail!("{label}: layout {v}; expected {LANES_ATTRIBUTE} (lanes)"),
@@ -123,62 +125,66 @@ pub fn parse(node: &NodeProto) -> TractResult<NBits> {
 /// ([`to_lanes`], [`scales_to_lanes`]), set by `model::weights` at load.
 pub const LANES_ATTRIBUTE: i64 = 1;
 
+/// Columns in lanes go together sixteen at a time, a pass ([`to_lanes`]).
+pub const PASS: usize = 16;
+
 /// Whether a weight of `bits` bits, blocks of `block_size` and `n` columns can be laid out in
-/// lanes: 4 bits, whole groups of 32 per block, whole quads of columns.
+/// lanes: 4 bits, whole groups of 32 per block, whole passes of columns.
 pub fn fits_lanes(bits: usize, block_size: usize, n: usize) -> bool {
-    bits == 4 && block_size >= GROUP && n.is_multiple_of(4)
+    bits == 4 && block_size >= GROUP && n.is_multiple_of(PASS)
 }
 
 /// A 4-bit `B` (`[n, padded / 2]` bytes, each column's blocks padded to `padded` values, low
-/// nibble first) into lanes, `dst` as long: four columns `4q..4q + 4` together, group by group
-/// of 32 values, each group as four vectors of eight 16-bit lanes, lane `j` of vector `t`
-/// holding the four columns' values at `k = 32 g + 8 t + j` in bits 0-3, 4-7, 8-11 and 12-15
-/// (little-endian), the last with its top bit flipped. The decoding kernel reads a lane's
-/// columns with shifts alone (`kernels::q4_lanes_i16`).
+/// nibble first) into lanes, `dst` as long: sixteen columns `16p..16p + 16` together (a pass),
+/// as vectors of eight 16-bit lanes (little-endian), vector `b` holding every column's values
+/// `2b` and `2b + 1` (byte `b` of each column): lanes `2i` and `2i + 1` hold those of columns
+/// `16p + i`, `+ 4`, `+ 8` and `+ 12` in bits 0-3, 4-7, 8-11 and 12-15, the last with its top
+/// bit flipped. Read as four i32, a vector meets the row's pair `(x[2b], x[2b + 1])` in one
+/// `i32x4.dot_i16x8_s` a column a lane, and its columns part with shifts alone
+/// (`kernels::q4_lanes_i16`).
 pub fn to_lanes(src: &[u8], n: usize, padded: usize, dst: &mut [u8]) {
     let bytes = padded / 2;
     assert!(
-        src.len() == n * bytes && dst.len() == src.len() && padded.is_multiple_of(GROUP),
+        src.len() == n * bytes
+            && dst.len() == src.len()
+            && padded.is_multiple_of(GROUP)
+            && n.is_multiple_of(PASS),
         "to_lanes: {} bytes for N={n}, K padded to {padded}",
         src.len()
     );
-    for (four, quad) in src
-        .chunks_exact(4 * bytes)
-        .zip(dst.chunks_exact_mut(4 * bytes))
+    for (columns, pass) in src
+        .chunks_exact(PASS * bytes)
+        .zip(dst.chunks_exact_mut(PASS * bytes))
     {
-        let (c0, rest) = four.split_at(bytes);
-        let (c1, rest) = rest.split_at(bytes);
-        let (c2, c3) = rest.split_at(bytes);
-        // Byte i of each column holds its values 2i (low nibble) and 2i + 1: lanes 2i and
-        // 2i + 1, four bytes.
-        for ((((lanes, &b0), &b1), &b2), &b3) in
-            quad.chunks_exact_mut(4).zip(c0).zip(c1).zip(c2).zip(c3)
-        {
-            let lo = (b0 & 15) | (b1 & 15) << 4;
-            let hi = (b2 & 15) | ((b3 & 15) ^ 8) << 4;
-            let (lo1, hi1) = ((b0 >> 4) | (b1 >> 4) << 4, (b2 >> 4) | ((b3 >> 4) ^ 8) << 4);
-            lanes.copy_from_slice(&[lo, hi, lo1, hi1]);
+        for (b, vector) in pass.chunks_exact_mut(16).enumerate() {
+            for (i, lanes) in vector.chunks_exact_mut(4).enumerate() {
+                let [b0, b1, b2, b3] = [0, 1, 2, 3].map(|s| columns[(4 * s + i) * bytes + b]);
+                let lo = (b0 & 15) | (b1 & 15) << 4;
+                let hi = (b2 & 15) | ((b3 & 15) ^ 8) << 4;
+                let (lo1, hi1) = ((b0 >> 4) | (b1 >> 4) << 4, (b2 >> 4) | ((b3 >> 4) ^ 8) << 4);
+                lanes.copy_from_slice(&[lo, hi, lo1, hi1]);
+            }
         }
     }
 }
 
-/// `scales` (`[n, blocks]` values of `size` bytes each) into lanes, `dst` as long: `[n / 4,
-/// blocks, 4]`, a quad's four scales of a block side by side.
+/// `scales` (`[n, blocks]` values of `size` bytes each) into lanes, `dst` as long: `[n / 16,
+/// blocks, 16]`, a pass's sixteen scales of a block side by side.
 pub fn scales_to_lanes(src: &[u8], size: usize, n: usize, blocks: usize, dst: &mut [u8]) {
     assert!(
-        src.len() == n * blocks * size && dst.len() == src.len() && n.is_multiple_of(4),
+        src.len() == n * blocks * size && dst.len() == src.len() && n.is_multiple_of(PASS),
         "scales_to_lanes: {} bytes for N={n}, {blocks} blocks of {size}-byte scales",
         src.len()
     );
     let column = blocks * size;
-    for (four, quad) in src
-        .chunks_exact(4 * column)
-        .zip(dst.chunks_exact_mut(4 * column))
+    for (columns, pass) in src
+        .chunks_exact(PASS * column)
+        .zip(dst.chunks_exact_mut(PASS * column))
     {
-        for (c, column) in four.chunks_exact(column).enumerate() {
+        for (c, column) in columns.chunks_exact(column).enumerate() {
             for (blk, value) in column.chunks_exact(size).enumerate() {
-                let at = (blk * 4 + c) * size;
-                quad[at..at + size].copy_from_slice(value);
+                let at = (blk * PASS + c) * size;
+                pass[at..at + size].copy_from_slice(value);
             }
         }
     }
@@ -390,12 +396,12 @@ const GROUP: usize = 32;
 /// `out[r, n] = sum_k a[r, k] * w[n, k]` with `w[n, k] = (q[n, k] - zero) * scale` of its block.
 ///
 /// One row (decoding): each column's packed blocks are read once and multiplied in registers
-/// (with the 16-bit row for 4 bits, `QuantizedRow`). Several rows (a prompt): a few columns at
-/// a time are widened to 16-bit integers (4 bits, integer zero points, `INTEGER_PROMPT_ROWS`
-/// rows or more: `Params::q4_prompt`) or dequantized to f32 into a small buffer, then
-/// multiplied with every row, so the widening is paid once per column and the f32 weight never
-/// exists whole. Under the `threads` feature the columns are split across the pool
-/// (`parallel`).
+/// (with the 16-bit row for 4 bits, `QuantizedRow`; in lanes, every row so). Several rows (a
+/// prompt): a few columns at a time are widened to 16-bit integers (4 bits, integer zero
+/// points, `INTEGER_PROMPT_ROWS` rows or more: `Params::q4_prompt`) or dequantized to f32 into
+/// a small buffer, then multiplied with every row, so the widening is paid once per column and
+/// the f32 weight never exists whole. Under the `threads` feature the columns are split across
+/// the pool (`parallel`).
 pub fn matmul(
     op: &NBits,
     a: &[f32],
@@ -450,21 +456,30 @@ fn matmul_in_parts(
     }
     if op.lanes && (!fits_lanes(bits, bs, n) || matches!(zp, Zero::Float(_))) {
         bail!(
-            "{}: B in lanes needs 4 bits, block_size 32 or more, N a multiple of 4 and integer \
+            "{}: B in lanes needs 4 bits, block_size 32 or more, N a multiple of 16 and integer \
              zero points; bits={bits} block_size={bs} N={n}",
             op.label
         );
     }
     let padded = blocks * bs;
-    // Decoding a 4-bit weight with integer zero points: the row (padded) as 16-bit integers, so
-    // that the kernel multiplies integers (`kernels::q4_columns4_i16`, `q4_column_i16`, and
-    // `q4_lanes_i16` in lanes, which reads the row in its order).
+    // A 4-bit weight with integer zero points: a decoding row (padded) as 16-bit integers, so
+    // that the kernel multiplies integers (`kernels::q4_columns4_i16`, `q4_column_i16`). In
+    // lanes every row so, each taken as a decoding row (`q4_lanes_i16`, which reads the rows in
+    // their order): each row has the bits it has alone, with no widened copy of the weight
+    // and none in f32. For q4 SmolLM2's weights (a wasm test, Node): 2 rows 8.5 ms against 26.5
+    // through f32, 4 rows 16 against 39, 7 rows 28 against 60; 16 rows 63-64 against 77-78 by
+    // `q4_prompt`, 64 rows 252 against 261, 128 rows 505-506 either way.
     let integer = bits == 4 && bs >= GROUP && !matches!(zp, Zero::Float(_));
-    let quantized = (integer && rows == 1)
-        .then(|| QuantizedRow::of(a, padded, !op.lanes))
+    let quantized = (integer && (rows == 1 || op.lanes))
+        .then(|| {
+            a.chunks_exact(k)
+                .map(|row| QuantizedRow::of(row, padded, !op.lanes))
+                .collect::<Option<Vec<_>>>()
+        })
         .flatten();
-    // A prompt of such a weight, from `INTEGER_PROMPT_ROWS` rows: every row so (`q4_prompt`).
-    let prompt = (integer && rows >= INTEGER_PROMPT_ROWS)
+    // A prompt of such a weight as it lies, from `INTEGER_PROMPT_ROWS` rows: every row so,
+    // eight columns widened at a time (`q4_prompt`).
+    let prompt = (integer && !op.lanes && rows >= INTEGER_PROMPT_ROWS)
         .then(|| QuantizedRows::of(a, rows, k, padded))
         .flatten();
     // Otherwise each row of A padded with zeros to whole blocks (the last block may be
@@ -491,18 +506,20 @@ fn matmul_in_parts(
         zp,
         scales,
         lanes: op.lanes,
-        quantized: quantized.as_ref(),
+        quantized: quantized.as_deref(),
         prompt: prompt.as_ref(),
     };
     // The column ranges run in parallel (`parallel::by_columns`); the same values for any
     // `parts`.
-    super::parallel::by_columns(out, rows, n, COLS, parts, |cols, block| {
+    let align = if op.lanes { PASS } else { COLS };
+    super::parallel::by_columns(out, rows, n, align, parts, |cols, block| {
         params.columns(cols, b, &ap, rows, block)
     });
     Ok(())
 }
 
-/// Columns grouped by the prompt kernel (`dot4`); split points fall on multiples of it.
+/// Columns grouped by the prompt kernel (`dot4`); split points fall on multiples of it (of
+/// [`PASS`] in lanes).
 const COLS: usize = 4;
 
 impl Params<'_> {
@@ -521,19 +538,22 @@ impl Params<'_> {
     ) {
         let padded = self.blocks * self.bs;
         let width = cols.len();
-        if let (true, Some(row)) = (self.lanes, self.quantized) {
-            // In lanes, quad after quad: one stream (`kernels::q4_lanes_i16`).
+        if let (true, Some(quantized)) = (self.lanes, self.quantized) {
+            // In lanes, pass after pass, one stream, each pass with every row while its weights
+            // are in the cache (`kernels::q4_lanes_i16`).
             let shift = (self.bs / GROUP).trailing_zeros();
-            for first in cols.clone().step_by(4) {
-                let (quad, scales) = (self.quad(b, first), self.quad_scales(first));
-                let sums = match self.zp {
-                    Zero::Default => kernels::q4_lanes_i16(quad, row, shift, scales, |_, _| 8),
-                    _ => kernels::q4_lanes_i16(quad, row, shift, scales, |c, blk| {
-                        self.zero(first + c, blk) as u8
-                    }),
-                };
-                let at = first - cols.start;
-                block[at..at + 4].copy_from_slice(&sums);
+            for first in cols.clone().step_by(PASS) {
+                let (pass, scales) = (self.pass(b, first), self.pass_scales(first));
+                for (r, row) in quantized.iter().enumerate() {
+                    let sums = match self.zp {
+                        Zero::Default => kernels::q4_lanes_i16(pass, row, shift, scales, |_, _| 8),
+                        _ => kernels::q4_lanes_i16(pass, row, shift, scales, |c, blk| {
+                            self.zero(first + c, blk) as u8
+                        }),
+                    };
+                    let at = r * width + first - cols.start;
+                    block[at..at + PASS].copy_from_slice(&sums);
+                }
             }
             return;
         }
@@ -604,6 +624,21 @@ impl Params<'_> {
     }
 }
 
+/// The lane of a pass in lanes ([`to_lanes`]) that holds value `k` of columns `i`,
+/// `i + 4`, `i + 8` and `i + 12` (`i` < 4), the last one's top bit flipped back: column
+/// `i + 4 s`'s value in bits `4 s..4 s + 4`.
+#[inline(always)]
+fn lane(pass: &[u8], i: usize, k: usize) -> u16 {
+    let at = 2 * (k / 2 * 8 + 2 * i + k % 2);
+    u16::from_le_bytes([pass[at], pass[at + 1]]) ^ 0x8000
+}
+
+/// Value `k` (0 to 15) of column `c` (0 to 15) of a pass in lanes.
+#[inline(always)]
+fn lane_value(pass: &[u8], c: usize, k: usize) -> i32 {
+    ((lane(pass, c % 4, k) >> (4 * (c / 4))) & 15) as i32
+}
+
 /// Reorders `src` into `dst` group by group: the even elements of a group, then the odd ones
 /// (the order of a group's low nibbles, then its high nibbles).
 fn permute(src: &[f32], dst: &mut [f32], group: usize) {
@@ -628,8 +663,9 @@ struct Params<'a> {
     scales: &'a [f32],
     /// `B` and `scales` in lanes ([`to_lanes`]).
     lanes: bool,
-    /// The row of `A` as 16-bit integers, when decoding 4-bit weights.
-    quantized: Option<&'a QuantizedRow>,
+    /// The row of `A` as 16-bit integers, when decoding 4-bit weights; in lanes, every row,
+    /// each taken as a decoding row.
+    quantized: Option<&'a [QuantizedRow]>,
     /// The rows of `A` as 16-bit integers, for a prompt of 4-bit weights.
     prompt: Option<&'a QuantizedRows>,
 }
@@ -768,37 +804,6 @@ fn q4_prompt_column(
     }
 }
 
-/// Lane `k` of a quad of columns in lanes ([`to_lanes`]) with the last column's top bit
-/// flipped back: column `c`'s value in bits `4c..4c + 4`.
-#[inline(always)]
-fn lane(quad: &[u8], k: usize) -> u16 {
-    u16::from_le_bytes([quad[2 * k], quad[2 * k + 1]]) ^ 0x8000
-}
-
-/// Value `k` (0 to 15) of column `c` of a quad of columns in lanes.
-#[inline(always)]
-fn lane_value(quad: &[u8], c: usize, k: usize) -> i32 {
-    ((lane(quad, k) >> (4 * c)) & 15) as i32
-}
-
-/// The eight columns the 4-bit prompt kernel takes at a time (`kernels::q4_prompt8`).
-enum Eight<'a> {
-    /// Each column's bytes and scales, as in the file.
-    Columns([&'a [u8]; PROMPT_COLS], [&'a [f32]; PROMPT_COLS]),
-    /// Two quads in lanes ([`to_lanes`]) and their scales (`[blocks, 4]` each).
-    Lanes([&'a [u8]; 2], [&'a [f32]; 2]),
-}
-
-impl Eight<'_> {
-    /// The scale of column `c` (0 to 7) in block `blk`.
-    fn scale(&self, c: usize, blk: usize) -> f32 {
-        match self {
-            Eight::Columns(_, scales) => scales[c][blk],
-            Eight::Lanes(_, scales) => scales[c / 4][blk * 4 + c % 4],
-        }
-    }
-}
-
 impl Params<'_> {
     /// Columns `cols` of a prompt with 4-bit weights and integer zero points into `block`
     /// (`[rows, cols.len()]`), the rows as 16-bit integers: eight columns at a time, their
@@ -822,18 +827,11 @@ impl Params<'_> {
         while first + PROMPT_COLS <= cols.end {
             let eight: [usize; PROMPT_COLS] = std::array::from_fn(|c| first + c);
             let at = first - cols.start;
-            let source = if self.lanes {
-                let quads = [first, first + 4];
-                Eight::Lanes(
-                    quads.map(|q| self.quad(b, q)),
-                    quads.map(|q| self.quad_scales(q)),
-                )
-            } else {
-                Eight::Columns(eight.map(src), eight.map(scales))
-            };
+            let (src, scales) = (eight.map(src), eight.map(scales));
             match self.zp {
                 Zero::Default => kernels::q4_prompt8(
-                    &source,
+                    src,
+                    scales,
                     prompt,
                     rows,
                     shift,
@@ -844,7 +842,8 @@ impl Params<'_> {
                     at,
                 ),
                 _ => kernels::q4_prompt8(
-                    &source,
+                    src,
+                    scales,
                     prompt,
                     rows,
                     shift,
@@ -861,41 +860,39 @@ impl Params<'_> {
             let at = col - cols.start;
             let zero = |blk: usize| self.zero(col, blk) as u8;
             let out = |r: usize, v: f32| block[r * width + at] = v;
-            if self.lanes {
-                let (quad, scales) = (self.quad(b, col / 4 * 4), self.quad_scales(col / 4 * 4));
-                let value = |k: usize| lane_value(quad, col % 4, k);
-                let scale = |blk: usize| scales[blk * 4 + col % 4];
-                q4_prompt_column(value, prompt, rows, shift, scale, zero, out);
-            } else {
-                let src = src(col);
-                let value = |k: usize| ((src[k / 2] >> (4 * (k % 2))) & 15) as i32;
-                let scale = |blk: usize| scales(col)[blk];
-                q4_prompt_column(value, prompt, rows, shift, scale, zero, out);
-            }
+            let src = src(col);
+            let value = |k: usize| ((src[k / 2] >> (4 * (k % 2))) & 15) as i32;
+            let scale = |blk: usize| scales(col)[blk];
+            q4_prompt_column(value, prompt, rows, shift, scale, zero, out);
         }
     }
 
-    /// The bytes of the quad of columns `first..first + 4` in lanes ([`to_lanes`]).
-    fn quad<'b>(&self, b: &'b [u8], first: usize) -> &'b [u8] {
-        let bytes = 4 * self.blocks * self.blob;
-        &b[first / 4 * bytes..(first / 4 + 1) * bytes]
+    /// The bytes of the pass in lanes ([`to_lanes`]) that holds column `col`.
+    fn pass<'b>(&self, b: &'b [u8], col: usize) -> &'b [u8] {
+        let bytes = PASS * self.blocks * self.blob;
+        &b[col / PASS * bytes..(col / PASS + 1) * bytes]
     }
 
-    /// The scales of the quad of columns `first..first + 4` in lanes, `[blocks, 4]`.
-    fn quad_scales(&self, first: usize) -> &[f32] {
-        let len = 4 * self.blocks;
-        &self.scales[first / 4 * len..(first / 4 + 1) * len]
+    /// The scales of the pass in lanes that holds column `col`, `[blocks, 16]`.
+    fn pass_scales(&self, col: usize) -> &[f32] {
+        let len = PASS * self.blocks;
+        &self.scales[col / PASS * len..(col / PASS + 1) * len]
     }
 
-    /// The quad of columns `first..first + 4` in lanes, as f32 (`[4, padded]`, each column in
-    /// its order): `(q - zero) * scale`, as [`Params::dequantize`].
+    /// The quad of columns `first..first + 4` (`first` a multiple of 4) in lanes, as f32
+    /// (`[4, padded]`): `(q - zero) * scale`, as [`Params::dequantize`]. (For rows that are not
+    /// finite: the decoding kernel takes every other row in lanes.)
     fn dequantize_quad(&self, first: usize, b: &[u8], w: &mut [f32]) {
-        let (quad, scales) = (self.quad(b, first), self.quad_scales(first));
-        let zero = |c: usize, blk: usize| self.zero(first + c, blk);
-        match self.zp {
-            // The default zero point as a constant, as in `column_dot`.
-            Zero::Default => kernels::dequantize_lanes(quad, self.bs, scales, |_, _| 8.0, w),
-            _ => kernels::dequantize_lanes(quad, self.bs, scales, zero, w),
+        let (pass, scales) = (self.pass(b, first), self.pass_scales(first));
+        let padded = self.blocks * self.bs;
+        for (col, w) in (first..first + 4).zip(w.chunks_exact_mut(padded)) {
+            let c = col % PASS;
+            for (blk, w) in w.chunks_exact_mut(self.bs).enumerate() {
+                let (zero, scale) = (self.zero(col, blk), scales[blk * PASS + c]);
+                for (i, w) in w.iter_mut().enumerate() {
+                    *w = (lane_value(pass, c, blk * self.bs + i) as f32 - zero) * scale;
+                }
+            }
         }
     }
 
@@ -916,7 +913,7 @@ impl Params<'_> {
     /// [`Params::column_dot`] of columns `cols` with the 16-bit row
     /// (`kernels::q4_columns4_i16`): `None` without it.
     fn columns4_dot(&self, cols: [usize; 4], b: &[u8]) -> Option<[f32; 4]> {
-        let row = self.quantized?;
+        let row = self.quantized?.first()?;
         let shift = (self.bs / GROUP).trailing_zeros();
         let (blocks, bytes) = (self.blocks, self.blocks * self.blob);
         let mut src = [&b[..0]; 4];
@@ -943,7 +940,7 @@ impl Params<'_> {
         let base = col * self.blocks;
         let src = &b[base * self.blob..(base + self.blocks) * self.blob];
         let scales = &self.scales[base..base + self.blocks];
-        if let Some(row) = self.quantized {
+        if let Some(row) = self.quantized.and_then(|q| q.first()) {
             // Groups per block, as a shift (`bs` is a power of two from 32).
             let shift = (self.bs / GROUP).trailing_zeros();
             match self.zp {
@@ -1052,14 +1049,15 @@ fn q8_dot(src: &[u8], x: &[f32], zero: f32) -> f32 {
 
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 mod kernels {
-    use super::GROUP;
+    use super::{GROUP, PASS};
 
     /// Eight columns of a prompt ([`super::Params::q4_prompt`]): each column by the portable
     /// kernel, `q4_prompt_column`, into columns `at..at + 8` of `out` (`[nrows, width]`).
     /// (`_wide` is the simd128 kernel's buffer of widened weights, which this one needs not.)
     #[allow(clippy::too_many_arguments)]
     pub fn q4_prompt8(
-        source: &super::Eight,
+        src: [&[u8]; super::PROMPT_COLS],
+        scales: [&[f32]; super::PROMPT_COLS],
         rows: &super::QuantizedRows,
         nrows: usize,
         shift: u32,
@@ -1069,12 +1067,9 @@ mod kernels {
         width: usize,
         at: usize,
     ) {
-        for c in 0..super::PROMPT_COLS {
-            let value = |k: usize| match source {
-                super::Eight::Columns(src, _) => ((src[c][k / 2] >> (4 * (k % 2))) & 15) as i32,
-                super::Eight::Lanes(quads, _) => super::lane_value(quads[c / 4], c % 4, k),
-            };
-            let scale = |blk: usize| source.scale(c, blk);
+        for (c, (src, scales)) in src.into_iter().zip(scales).enumerate() {
+            let value = |k: usize| ((src[k / 2] >> (4 * (k % 2))) & 15) as i32;
+            let scale = |blk: usize| scales[blk];
             let zero = |blk: usize| zero(c, blk);
             super::q4_prompt_column(value, rows, nrows, shift, scale, zero, |r, v| {
                 out[r * width + at + c] = v
@@ -1082,31 +1077,33 @@ mod kernels {
         }
     }
 
-    /// [`q4_columns4_i16`] of a quad of columns in lanes (`super::to_lanes`; its scales
-    /// `[blocks, 4]`, the row in its own order): the same integer sums, f32 operations and
-    /// order, so the same bits.
+    /// [`q4_columns4_i16`] of a pass of sixteen columns in lanes (`super::to_lanes`; its
+    /// scales `[blocks, 16]`, the row in its own order): the same integer sums, f32 operations
+    /// and order, so the same bits.
     pub fn q4_lanes_i16(
-        quad: &[u8],
+        pass: &[u8],
         row: &super::QuantizedRow,
         shift: u32,
         scales: &[f32],
         zero: impl Fn(usize, usize) -> u8,
-    ) -> [f32; 4] {
-        let groups = quad.len() / (2 * GROUP);
-        let mut total = [0f32; 4];
+    ) -> [f32; PASS] {
+        let groups = pass.len() / (PASS * GROUP / 2);
+        let mut total = [0f32; PASS];
         for g in 0..groups {
             let blk = g >> shift;
             let x = &row.q[g * GROUP..(g + 1) * GROUP];
-            let mut sums = [0i32; 4];
+            let mut sums = [0i32; PASS];
             for (e, &x) in x.iter().enumerate() {
-                let lane = super::lane(quad, g * GROUP + e);
-                for (c, sum) in sums.iter_mut().enumerate() {
-                    *sum += ((lane >> (4 * c)) & 15) as i32 * x as i32;
+                for i in 0..4 {
+                    let lane = super::lane(pass, i, g * GROUP + e);
+                    for s in 0..4 {
+                        sums[4 * s + i] += ((lane >> (4 * s)) & 15) as i32 * x as i32;
+                    }
                 }
             }
             for (c, (total, sum)) in total.iter_mut().zip(sums).enumerate() {
                 let sum = sum - zero(c, blk) as i32 * row.sums[g];
-                *total += sum as f32 * (row.scales[g] * scales[blk * 4 + c]);
+                *total += sum as f32 * (row.scales[g] * scales[blk * PASS + c]);
             }
         }
         total
@@ -1153,26 +1150,6 @@ mod kernels {
         let blocks = src.chunks_exact(bs / 2).zip(dst.chunks_exact_mut(bs));
         for (blk, (src, dst)) in blocks.enumerate() {
             super::dequantize_q4_any(src, zero(blk), scales[blk], dst, GROUP);
-        }
-    }
-
-    /// A quad of columns in lanes (`super::to_lanes`; its scales `[blocks, 4]`) as f32 into
-    /// `dst` (`[4, padded]`), `(q - zero(c, blk)) * scale`, each column in its order.
-    pub fn dequantize_lanes(
-        quad: &[u8],
-        bs: usize,
-        scales: &[f32],
-        zero: impl Fn(usize, usize) -> f32,
-        dst: &mut [f32],
-    ) {
-        let padded = quad.len() / 2;
-        for (c, dst) in dst.chunks_exact_mut(padded).take(4).enumerate() {
-            for (blk, dst) in dst.chunks_exact_mut(bs).enumerate() {
-                let (zero, scale) = (zero(c, blk), scales[blk * 4 + c]);
-                for (i, d) in dst.iter_mut().enumerate() {
-                    *d = (super::lane_value(quad, c, blk * bs + i) as f32 - zero) * scale;
-                }
-            }
         }
     }
 
@@ -1271,7 +1248,7 @@ mod kernels {
 mod kernels {
     use core::arch::wasm32::*;
 
-    use super::GROUP;
+    use super::{GROUP, PASS};
 
     /// The portable `max_abs` with simd128: the same value (a maximum does not depend on the
     /// order).
@@ -1396,60 +1373,6 @@ mod kernels {
                     let d = dst.as_mut_ptr().add(g * GROUP);
                     dequantize16(v128_and(v, mask), zero, scale, d);
                     dequantize16(u8x16_shr(v, 4), zero, scale, d.add(GROUP / 2));
-                }
-            }
-        }
-    }
-
-    /// The portable `dequantize_lanes` with simd128, the same bits: each column's eight values
-    /// of a vector separated (as `q4_lanes_i16` does, the last column's top bit flipped back),
-    /// widened and converted, then `(q - zero) * scale` as `dequantize16`.
-    pub fn dequantize_lanes(
-        quad: &[u8],
-        bs: usize,
-        scales: &[f32],
-        zero: impl Fn(usize, usize) -> f32,
-        dst: &mut [f32],
-    ) {
-        let padded = quad.len() / 2;
-        let blocks = padded / bs;
-        assert!(
-            padded.is_multiple_of(bs)
-                && bs.is_multiple_of(GROUP)
-                && scales.len() >= blocks * 4
-                && dst.len() >= 4 * padded,
-            "dequantize_lanes: {} bytes, {} scales, {} values, blocks of {bs}",
-            quad.len(),
-            scales.len(),
-            dst.len()
-        );
-        let (mask, flip) = (u16x8_splat(0x000f), u16x8_splat(8));
-        let w = quad.as_ptr() as *const v128;
-        for blk in 0..blocks {
-            let zeros = [0, 1, 2, 3].map(|c| f32x4_splat(zero(c, blk)));
-            let block_scales = [0, 1, 2, 3].map(|c| f32x4_splat(scales[blk * 4 + c]));
-            // Vector t of the quad: values 8t..8t + 8.
-            for t in blk * bs / 8..(blk + 1) * bs / 8 {
-                // SAFETY: vector t of the quad (padded / 8 of them), and values 8t..8t + 8 of
-                // each column's `padded` in `dst`, in bounds (asserted above); v128 loads and
-                // stores are unaligned.
-                unsafe {
-                    let v = v128_load(w.add(t));
-                    for c in 0..4 {
-                        let q = match c {
-                            3 => v128_xor(u16x8_shr(v, 12), flip),
-                            _ => v128_and(u16x8_shr(v, 4 * c as u32), mask),
-                        };
-                        let d = dst.as_mut_ptr().add(c * padded + 8 * t);
-                        for (j, q) in [u32x4_extend_low_u16x8(q), u32x4_extend_high_u16x8(q)]
-                            .into_iter()
-                            .enumerate()
-                        {
-                            let q = f32x4_convert_i32x4(q);
-                            let w = f32x4_mul(f32x4_sub(q, zeros[c]), block_scales[c]);
-                            v128_store(d.add(4 * j) as *mut v128, w);
-                        }
-                    }
                 }
             }
         }
@@ -1712,83 +1635,75 @@ mod kernels {
         ]
     }
 
-    /// [`q4_columns4_i16`] of a quad of columns in lanes (`super::to_lanes`; its scales
-    /// `[blocks, 4]`, the row in its own order). A lane `n0 + 16 n1 + 256 n2 + 4096 m3` (`m3`
-    /// the last column's value less 8, read as a signed lane) and its arithmetic shifts right
-    /// by 4, 8 and 12 meet the row's eight values in four `i32x4.dot_i16x8_s`, whose sums
-    /// over a group are `A + 16 B + 256 C + 4096 D`, `B + 16 C + 256 D`, `C + 16 D` and `D`:
-    /// a shift and a subtraction of the four at once give each column's sum (wrapping i32
-    /// arithmetic, exact since each true sum is within i32), the last already less 8 times
-    /// the row's sum. No
-    /// masks, the four columns' scales in one load, one stream: per group of 32 values of four
-    /// columns about 72 operations where `q4_columns4_i16` takes 87. The same integer sums,
-    /// f32 operations and order as the portable kernel, so the same bits.
+    /// [`q4_columns4_i16`] of a pass of sixteen columns in lanes (`super::to_lanes`; its
+    /// scales `[blocks, 16]`, the row in its own order). A vector's four i32 lanes, each the
+    /// pair of lanes `n0 + 16 n1 + 256 n2 + 4096 m3` of columns `i`, `i + 4`, `i + 8` and
+    /// `i + 12` (`m3` the last one's value less 8, read as a signed lane), and its arithmetic
+    /// shifts right by 4, 8 and 12 meet the row's pair of values (a splat) in four
+    /// `i32x4.dot_i16x8_s`, whose sums over a group are `A + 16 B + 256 C + 4096 D`,
+    /// `B + 16 C + 256 D`, `C + 16 D` and `D`, a column a lane: a shift and a subtraction give
+    /// each column's sum (wrapping i32 arithmetic, exact since each true sum is within i32), the
+    /// last already less 8 times the row's sum. No masks, and no sums across lanes: per group
+    /// of 32 values of four columns about 60 operations, where four columns in each lane (the
+    /// sums across lanes) took 72 and `q4_columns4_i16` 87. The same integer sums, f32
+    /// operations and order as the portable kernel, so the same bits.
     pub fn q4_lanes_i16(
-        quad: &[u8],
+        pass: &[u8],
         row: &super::QuantizedRow,
         shift: u32,
         scales: &[f32],
         zero: impl Fn(usize, usize) -> u8,
-    ) -> [f32; 4] {
-        let groups = quad.len() / (2 * GROUP);
+    ) -> [f32; PASS] {
+        let groups = pass.len() / (PASS * GROUP / 2);
         assert!(
             groups * GROUP <= row.q.len()
                 && groups <= row.sums.len()
                 && groups <= row.scales.len()
-                && (groups == 0 || (((groups - 1) >> shift) + 1) * 4 <= scales.len()),
+                && (groups == 0 || (((groups - 1) >> shift) + 1) * PASS <= scales.len()),
             "q4_lanes_i16: {groups} groups"
         );
-        let w = quad.as_ptr() as *const v128;
-        let xp = row.q.as_ptr() as *const v128;
+        let w = pass.as_ptr() as *const v128;
+        // The row's pairs of values, one u32 each.
+        let xp = row.q.as_ptr() as *const u32;
         let sp = scales.as_ptr() as *const v128;
-        let mut total = f32x4_splat(0.0);
-        let mut slot = i32x4_splat(0);
+        // Columns 4s..4s + 4 in total[s].
+        let mut total = [f32x4_splat(0.0); 4];
         for g in 0..groups {
             let blk = g >> shift;
-            // SAFETY: vectors 4g..4g + 4 of the quad and of the row, the row's sums and scales
-            // at g, and the block's four scales, all within the asserted lengths; v128 loads
-            // are unaligned.
+            // SAFETY: vectors 16g..16g + 16 of the pass, pairs 16g..16g + 16 of the row, the
+            // row's sums and scales at g, and the block's sixteen scales, all within the
+            // asserted lengths; v128 loads are unaligned.
             unsafe {
                 let mut acc = [i32x4_splat(0); 4];
-                for t in 0..4 {
-                    let v = v128_load(w.add(4 * g + t));
-                    let x = v128_load(xp.add(4 * g + t));
+                for b in 16 * g..16 * (g + 1) {
+                    let v = v128_load(w.add(b));
+                    let x = v128_load32_splat(xp.add(b));
                     acc[0] = i32x4_add(acc[0], i32x4_dot_i16x8(v, x));
                     acc[1] = i32x4_add(acc[1], i32x4_dot_i16x8(i16x8_shr(v, 4), x));
                     acc[2] = i32x4_add(acc[2], i32x4_dot_i16x8(i16x8_shr(v, 8), x));
                     acc[3] = i32x4_add(acc[3], i32x4_dot_i16x8(i16x8_shr(v, 12), x));
-                    // Each vector's loads after the last one's arithmetic (`fence`): 5.3 ms
-                    // for q4 SmolLM2's 106 M weights against 5.7-5.9 without.
-                    fence(&mut slot, acc[0]);
                 }
-                // Lane i the sum of acc[i]'s lanes; then column c's sum is lane c less 16
-                // times lane c + 1 (the sums are linear in the lanes).
-                let s = halves_sum(pair_sums(acc[0], acc[1]), pair_sums(acc[2], acc[3]));
-                let next = i32x4_shuffle::<1, 2, 3, 4>(s, i32x4_splat(0));
-                let sums = i32x4_sub(s, i32x4_shl(next, 4));
-                let zeros = i32x4(
-                    zero(0, blk) as i32,
-                    zero(1, blk) as i32,
-                    zero(2, blk) as i32,
-                    zero(3, blk) as i32 - 8,
-                );
-                let sums = i32x4_sub(
-                    sums,
-                    i32x4_mul(zeros, i32x4_splat(*row.sums.get_unchecked(g))),
-                );
-                let factor = f32x4_mul(
-                    f32x4_splat(*row.scales.get_unchecked(g)),
-                    v128_load(sp.add(blk)),
-                );
-                total = f32x4_add(total, f32x4_mul(f32x4_convert_i32x4(sums), factor));
+                let row_sum = i32x4_splat(*row.sums.get_unchecked(g));
+                let row_scale = f32x4_splat(*row.scales.get_unchecked(g));
+                for s in 0..4 {
+                    // Columns 4s..4s + 4's sums: acc[s] less 16 times acc[s + 1].
+                    let sums = match s {
+                        3 => acc[3],
+                        _ => i32x4_sub(acc[s], i32x4_shl(acc[s + 1], 4)),
+                    };
+                    let z = |i: usize| zero(4 * s + i, blk) as i32 - if s == 3 { 8 } else { 0 };
+                    let sums = i32x4_sub(sums, i32x4_mul(i32x4(z(0), z(1), z(2), z(3)), row_sum));
+                    let factor = f32x4_mul(row_scale, v128_load(sp.add(blk * 4 + s)));
+                    total[s] = f32x4_add(total[s], f32x4_mul(f32x4_convert_i32x4(sums), factor));
+                }
             }
         }
-        [
-            f32x4_extract_lane::<0>(total),
-            f32x4_extract_lane::<1>(total),
-            f32x4_extract_lane::<2>(total),
-            f32x4_extract_lane::<3>(total),
-        ]
+        let mut out = [0f32; PASS];
+        for (four, total) in out.chunks_exact_mut(4).zip(total) {
+            // SAFETY: four values; v128 stores are unaligned.
+            unsafe { v128_store(four.as_mut_ptr() as *mut v128, total) };
+        }
+        out
     }
 
     /// Eight columns of a prompt ([`super::Params::q4_prompt`]) into columns `at..at + 8` of
@@ -1799,7 +1714,8 @@ mod kernels {
     /// four rows a pass. The same integer sums and f32 operations as `q4_prompt_column`.
     #[allow(clippy::too_many_arguments)]
     pub fn q4_prompt8(
-        source: &super::Eight,
+        src: [&[u8]; super::PROMPT_COLS],
+        scales: [&[f32]; super::PROMPT_COLS],
         rows: &super::QuantizedRows,
         nrows: usize,
         shift: u32,
@@ -1815,18 +1731,10 @@ mod kernels {
         } else {
             ((groups - 1) >> shift) + 1
         };
-        let fits = match source {
-            super::Eight::Columns(src, scales) => {
-                src.iter().all(|s| s.len() >= groups * (GROUP / 2))
-                    && scales.iter().all(|s| s.len() >= blocks)
-            }
-            super::Eight::Lanes(quads, scales) => {
-                quads.iter().all(|q| q.len() >= groups * 2 * GROUP)
-                    && scales.iter().all(|s| s.len() >= blocks * 4)
-            }
-        };
         assert!(
-            fits && rows.pairs.len() >= nrows * groups * 16
+            src.iter().all(|s| s.len() >= groups * (GROUP / 2))
+                && scales.iter().all(|s| s.len() >= blocks)
+                && rows.pairs.len() >= nrows * groups * 16
                 && rows.scales.len() >= nrows * groups
                 && (nrows == 0 || out.len() >= (nrows - 1) * width + at + 8),
             "q4_prompt8: {groups} groups, {nrows} rows"
@@ -1838,77 +1746,42 @@ mod kernels {
             let blk = g >> shift;
             for half in 0..2 {
                 // Column c's pairs 4j..4j + 4 of the group as i32 lanes.
-                let quads: [[v128; 4]; 4] = match source {
-                    super::Eight::Lanes(quads, _) => {
-                        let z = [0, 1, 2, 3].map(|c| zero(4 * half + c, blk) as i16);
-                        // SAFETY: vectors 4g..4g + 4 of the quad, within the asserted length.
-                        let v = [0, 1, 2, 3].map(|t| unsafe {
-                            v128_load(quads[half].as_ptr().add((4 * g + t) * 16) as *const v128)
-                        });
-                        let mask = u16x8_splat(0x000f);
-                        // The last column's values are stored less 8 (`super::to_lanes`).
-                        [
-                            v.map(|v| i16x8_sub(v128_and(v, mask), i16x8_splat(z[0]))),
-                            v.map(|v| {
-                                i16x8_sub(v128_and(u16x8_shr(v, 4), mask), i16x8_splat(z[1]))
-                            }),
-                            v.map(|v| {
-                                i16x8_sub(v128_and(u16x8_shr(v, 8), mask), i16x8_splat(z[2]))
-                            }),
-                            v.map(|v| i16x8_sub(i16x8_shr(v, 12), i16x8_splat(z[3] - 8))),
-                        ]
-                    }
-                    super::Eight::Columns(src, _) => std::array::from_fn(|c| {
-                        let col = 4 * half + c;
-                        // SAFETY: bytes 16g..16g + 16 of the column, within the asserted length;
-                        // v128_load accepts unaligned addresses.
-                        let v = unsafe { v128_load(src[col].as_ptr().add(g * 16) as *const v128) };
-                        let (lo, hi) = (v128_and(v, low), u8x16_shr(v, 4));
-                        let first = i8x16_shuffle::<
-                            0,
-                            16,
-                            1,
-                            17,
-                            2,
-                            18,
-                            3,
-                            19,
-                            4,
-                            20,
-                            5,
-                            21,
-                            6,
-                            22,
-                            7,
-                            23,
-                        >(lo, hi);
-                        let second = i8x16_shuffle::<
-                            8,
-                            24,
-                            9,
-                            25,
-                            10,
-                            26,
-                            11,
-                            27,
-                            12,
-                            28,
-                            13,
-                            29,
-                            14,
-                            30,
-                            15,
-                            31,
-                        >(lo, hi);
-                        let z = i16x8_splat(zero(col, blk) as i16);
-                        [
-                            i16x8_sub(u16x8_extend_low_u8x16(first), z),
-                            i16x8_sub(u16x8_extend_high_u8x16(first), z),
-                            i16x8_sub(u16x8_extend_low_u8x16(second), z),
-                            i16x8_sub(u16x8_extend_high_u8x16(second), z),
-                        ]
-                    }),
-                };
+                let quads: [[v128; 4]; 4] = std::array::from_fn(|c| {
+                    let col = 4 * half + c;
+                    // SAFETY: bytes 16g..16g + 16 of the column, within the asserted length;
+                    // v128_load accepts unaligned addresses.
+                    let v = unsafe { v128_load(src[col].as_ptr().add(g * 16) as *const v128) };
+                    let (lo, hi) = (v128_and(v, low), u8x16_shr(v, 4));
+                    let first =
+                        i8x16_shuffle::<0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23>(
+                            lo, hi,
+                        );
+                    let second = i8x16_shuffle::<
+                        8,
+                        24,
+                        9,
+                        25,
+                        10,
+                        26,
+                        11,
+                        27,
+                        12,
+                        28,
+                        13,
+                        29,
+                        14,
+                        30,
+                        15,
+                        31,
+                    >(lo, hi);
+                    let z = i16x8_splat(zero(col, blk) as i16);
+                    [
+                        i16x8_sub(u16x8_extend_low_u8x16(first), z),
+                        i16x8_sub(u16x8_extend_high_u8x16(first), z),
+                        i16x8_sub(u16x8_extend_low_u8x16(second), z),
+                        i16x8_sub(u16x8_extend_high_u8x16(second), z),
+                    ]
+                });
                 for j in 0..4 {
                     let [a, b, c, d] = [0, 1, 2, 3].map(|col| quads[col][j]);
                     let t0 = i32x4_shuffle::<0, 4, 1, 5>(a, b);
@@ -1929,7 +1802,7 @@ mod kernels {
         }
         let block_scales: Vec<[v128; 2]> = (0..blocks)
             .map(|blk| {
-                let s = |c: usize| source.scale(c, blk);
+                let s = |c: usize| scales[c][blk];
                 [f32x4(s(0), s(1), s(2), s(3)), f32x4(s(4), s(5), s(6), s(7))]
             })
             .collect();
