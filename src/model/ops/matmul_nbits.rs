@@ -624,19 +624,13 @@ impl Params<'_> {
     }
 }
 
-/// The lane of a pass in lanes ([`to_lanes`]) that holds value `k` of columns `i`,
-/// `i + 4`, `i + 8` and `i + 12` (`i` < 4), the last one's top bit flipped back: column
-/// `i + 4 s`'s value in bits `4 s..4 s + 4`.
-#[inline(always)]
-fn lane(pass: &[u8], i: usize, k: usize) -> u16 {
-    let at = 2 * (k / 2 * 8 + 2 * i + k % 2);
-    u16::from_le_bytes([pass[at], pass[at + 1]]) ^ 0x8000
-}
-
-/// Value `k` (0 to 15) of column `c` (0 to 15) of a pass in lanes.
-#[inline(always)]
+/// Value `k` (0 to 15) of column `c` (0 to 15) of a pass in lanes ([`to_lanes`]): in the lane
+/// of columns `c % 4`, `+ 4`, `+ 8` and `+ 12`, bits `4 (c / 4)..4 (c / 4) + 4`, the last
+/// column's top bit flipped back.
 fn lane_value(pass: &[u8], c: usize, k: usize) -> i32 {
-    ((lane(pass, c % 4, k) >> (4 * (c / 4))) & 15) as i32
+    let at = 2 * (k / 2 * 8 + 2 * (c % 4) + k % 2);
+    let lane = u16::from_le_bytes([pass[at], pass[at + 1]]) ^ 0x8000;
+    ((lane >> (4 * (c / 4))) & 15) as i32
 }
 
 /// Reorders `src` into `dst` group by group: the even elements of a group, then the odd ones
@@ -1087,22 +1081,23 @@ mod kernels {
         scales: &[f32],
         zero: impl Fn(usize, usize) -> u8,
     ) -> [f32; PASS] {
-        let groups = pass.len() / (PASS * GROUP / 2);
         let mut total = [0f32; PASS];
-        for g in 0..groups {
+        let groups = pass.chunks_exact(PASS * GROUP / 2);
+        for (g, (group, x)) in groups.zip(row.q.chunks_exact(GROUP)).enumerate() {
             let blk = g >> shift;
-            let x = &row.q[g * GROUP..(g + 1) * GROUP];
-            let mut sums = [0i32; PASS];
-            for (e, &x) in x.iter().enumerate() {
-                for i in 0..4 {
-                    let lane = super::lane(pass, i, g * GROUP + e);
-                    for s in 0..4 {
-                        sums[4 * s + i] += ((lane >> (4 * s)) & 15) as i32 * x as i32;
+            // sums[i][s]: column 4s + i's, from bits 4s..4s + 4 of lanes 2i and 2i + 1.
+            let mut sums = [[0i32; 4]; 4];
+            for (vector, x) in group.chunks_exact(16).zip(x.chunks_exact(2)) {
+                for (l, lane) in vector.chunks_exact(2).enumerate() {
+                    let lane = u16::from_le_bytes([lane[0], lane[1]]) ^ 0x8000;
+                    let x = x[l % 2] as i32;
+                    for (s, sum) in sums[l / 2].iter_mut().enumerate() {
+                        *sum += ((lane >> (4 * s)) & 15) as i32 * x;
                     }
                 }
             }
-            for (c, (total, sum)) in total.iter_mut().zip(sums).enumerate() {
-                let sum = sum - zero(c, blk) as i32 * row.sums[g];
+            for (c, total) in total.iter_mut().enumerate() {
+                let sum = sums[c % 4][c / 4] - zero(c, blk) as i32 * row.sums[g];
                 *total += sum as f32 * (row.scales[g] * scales[blk * PASS + c]);
             }
         }
