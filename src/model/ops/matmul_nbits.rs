@@ -126,7 +126,7 @@ pub fn parse(node: &NodeProto) -> TractResult<NBits> {
 pub const LANES_ATTRIBUTE: i64 = 1;
 
 /// Columns in lanes go together sixteen at a time, a pass ([`to_lanes`]).
-pub const PASS: usize = 16;
+const PASS: usize = 16;
 
 /// Whether a weight of `bits` bits, blocks of `block_size` and `n` columns can be laid out in
 /// lanes: 4 bits, whole groups of 32 per block, whole passes of columns.
@@ -466,9 +466,10 @@ fn matmul_in_parts(
     // that the kernel multiplies integers (`kernels::q4_columns4_i16`, `q4_column_i16`). In
     // lanes every row so, each taken as a decoding row (`q4_lanes_i16`, which reads the rows in
     // their order): each row has the bits it has alone, with no widened copy of the weight
-    // and none in f32. For q4 SmolLM2's weights (a wasm test, Node): 2 rows 8.5 ms against 26.5
-    // through f32, 4 rows 16 against 39, 7 rows 28 against 60; 16 rows 63-64 against 77-78 by
-    // `q4_prompt`, 64 rows 252 against 261, 128 rows 505-506 either way.
+    // and none in f32. For q4 SmolLM2's weights (a wasm test, Node): 2 rows 8 ms against 27
+    // through f32 (at 9f53b22), 4 rows 16 against 39, 7 rows 28 against 61; 16 rows 63-64
+    // against 77-78 by `q4_prompt` in lanes, 64 rows 252 against 261, 128 rows 505-506 either
+    // way.
     let integer = bits == 4 && bs >= GROUP && !matches!(zp, Zero::Float(_));
     let quantized = (integer && (rows == 1 || op.lanes))
         .then(|| {
@@ -660,7 +661,7 @@ struct Params<'a> {
     /// The row of `A` as 16-bit integers, when decoding 4-bit weights; in lanes, every row,
     /// each taken as a decoding row.
     quantized: Option<&'a [QuantizedRow]>,
-    /// The rows of `A` as 16-bit integers, for a prompt of 4-bit weights.
+    /// The rows of `A` as 16-bit integers, for a prompt of 4-bit weights as they lie.
     prompt: Option<&'a QuantizedRows>,
 }
 
@@ -1640,7 +1641,9 @@ mod kernels {
     /// each column's sum (wrapping i32 arithmetic, exact since each true sum is within i32), the
     /// last already less 8 times the row's sum. No masks, and no sums across lanes: per group
     /// of 32 values of four columns about 60 operations, where four columns in each lane (the
-    /// sums across lanes) took 72 and `q4_columns4_i16` 87. The same integer sums, f32
+    /// sums across lanes) took 72 and `q4_columns4_i16` 87: one row times q4 SmolLM2's weights
+    /// in 4.15-4.5 ms against 5.4-5.55 (a wasm test, Node 20; no volatile store, which made it
+    /// 4.4-4.6 after every vector or every second or fourth). The same integer sums, f32
     /// operations and order as the portable kernel, so the same bits.
     pub fn q4_lanes_i16(
         pass: &[u8],
