@@ -762,19 +762,18 @@ pub const INTEGER_PROMPT_ROWS: usize = 8;
 /// Columns the 4-bit prompt kernel takes at a time (`kernels::q4_prompt8`).
 const PROMPT_COLS: usize = 8;
 
-/// One column of 4-bit weights (`value(k)`: its value at `k`, 0 to 15) times every row of a
-/// prompt: each group's sum of `(q - zero) * x` in integers, then converted and scaled as the
-/// decoding kernel does (`kernels::q4_columns4_i16`: the total plus the sum times the row's
-/// scale times the block's `scale(blk)`), so a row gives the same bits in a prompt and in a
-/// decoding step. `out(r, total)` takes row `r`'s value. The portable prompt kernel, and the
+/// One column of 4-bit weights (`src`, its `scales`) times every row of a prompt: each group's
+/// sum of `(q - zero) * x` in integers, then converted and scaled as the decoding kernel does
+/// (`kernels::q4_columns4_i16`: the total plus the sum times the row's scale times the block's
+/// scale), so a row gives the same bits in a prompt and in a decoding step. `out(r, total)` takes row `r`'s value. The portable prompt kernel, and the
 /// columns past the last eight.
 #[allow(clippy::too_many_arguments)]
 fn q4_prompt_column(
-    value: impl Fn(usize) -> i32,
+    src: &[u8],
     rows: &QuantizedRows,
     nrows: usize,
     shift: u32,
-    scale: impl Fn(usize) -> f32,
+    scales: &[f32],
     zero: impl Fn(usize) -> u8,
     mut out: impl FnMut(usize, f32),
 ) {
@@ -783,7 +782,10 @@ fn q4_prompt_column(
     for g in 0..groups {
         let blk = g >> shift;
         let z = zero(blk) as i32;
-        let w: [i32; GROUP] = std::array::from_fn(|e| value(g * GROUP + e) - z);
+        // Group g's 16 bytes, low nibble first.
+        let bytes = &src[g * GROUP / 2..(g + 1) * GROUP / 2];
+        let w: [i32; GROUP] =
+            std::array::from_fn(|e| ((bytes[e / 2] >> (4 * (e % 2))) & 15) as i32 - z);
         for (r, total) in totals.iter_mut().enumerate() {
             let pairs = &rows.pairs[(r * groups + g) * 16..(r * groups + g + 1) * 16];
             let mut sum = 0i32;
@@ -791,7 +793,7 @@ fn q4_prompt_column(
                 let (x0, x1) = (p as i16 as i32, (p >> 16) as i16 as i32);
                 sum += w[0] * x0 + w[1] * x1;
             }
-            *total += sum as f32 * (rows.scales[r * groups + g] * scale(blk));
+            *total += sum as f32 * (rows.scales[r * groups + g] * scales[blk]);
         }
     }
     for (r, total) in totals.into_iter().enumerate() {
@@ -855,10 +857,7 @@ impl Params<'_> {
             let at = col - cols.start;
             let zero = |blk: usize| self.zero(col, blk) as u8;
             let out = |r: usize, v: f32| block[r * width + at] = v;
-            let src = src(col);
-            let value = |k: usize| ((src[k / 2] >> (4 * (k % 2))) & 15) as i32;
-            let scale = |blk: usize| scales(col)[blk];
-            q4_prompt_column(value, prompt, rows, shift, scale, zero, out);
+            q4_prompt_column(src(col), prompt, rows, shift, scales(col), zero, out);
         }
     }
 
@@ -1063,10 +1062,8 @@ mod kernels {
         at: usize,
     ) {
         for (c, (src, scales)) in src.into_iter().zip(scales).enumerate() {
-            let value = |k: usize| ((src[k / 2] >> (4 * (k % 2))) & 15) as i32;
-            let scale = |blk: usize| scales[blk];
             let zero = |blk: usize| zero(c, blk);
-            super::q4_prompt_column(value, rows, nrows, shift, scale, zero, |r, v| {
+            super::q4_prompt_column(src, rows, nrows, shift, scales, zero, |r, v| {
                 out[r * width + at + c] = v
             });
         }
