@@ -138,9 +138,28 @@ pub(crate) fn output_tensor(
 
 /// tract-onnx with the ops of this module registered.
 pub fn onnx() -> tract_onnx::Onnx {
+    run_static_constructors();
     let mut onnx = tract_onnx::onnx();
     register(&mut onnx.op_register);
     onnx
+}
+
+/// tract registers its kernels, routines and transforms with static constructors
+/// (`inventory`). In wasm nothing calls them unless the module does: without this call the
+/// linker takes the module for a command and wraps every exported function in a call to all
+/// of them (114, idempotent), each call from JavaScript, hundreds a decoding step (1.6% of a
+/// q4 prompt of 64 tokens in a V8 profile, Node). Every model is parsed by [`onnx`] before
+/// tract runs anything, so it runs them there, once.
+fn run_static_constructors() {
+    #[cfg(target_arch = "wasm32")]
+    {
+        extern "C" {
+            fn __wasm_call_ctors();
+        }
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        // SAFETY: the linker's function that runs the static constructors, once.
+        ONCE.call_once(|| unsafe { __wasm_call_ctors() });
+    }
 }
 
 /// `op 'name'` for error messages.
