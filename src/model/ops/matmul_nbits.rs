@@ -22,6 +22,9 @@
 //! Not supported (a load-time error naming the node): `g_idx`, other bit widths, a `B`,
 //! `scales` or `zero_points` whose shape does not match `K`, `N`, `bits` and `block_size`.
 
+use std::cell::RefCell;
+use std::rc::Rc;
+
 use tract_onnx::model::ParsingContext;
 use tract_onnx::pb::NodeProto;
 use tract_onnx::tract_hir::internal::*;
@@ -472,11 +475,7 @@ fn matmul_in_parts(
     // way.
     let integer = bits == 4 && bs >= GROUP && !matches!(zp, Zero::Float(_));
     let quantized = (integer && (rows == 1 || op.lanes))
-        .then(|| {
-            a.chunks_exact(k)
-                .map(|row| QuantizedRow::of(row, padded, !op.lanes))
-                .collect::<Option<Vec<_>>>()
-        })
+        .then(|| QuantizedRow::of_rows(a, k, padded, !op.lanes))
         .flatten();
     // A prompt of such a weight as it lies, from `INTEGER_PROMPT_ROWS` rows: every row so,
     // eight columns widened at a time (`q4_prompt`).
@@ -507,7 +506,7 @@ fn matmul_in_parts(
         zp,
         scales,
         lanes: op.lanes,
-        quantized: quantized.as_deref(),
+        quantized: quantized.as_deref().map(Vec::as_slice),
         prompt: prompt.as_ref(),
     };
     // The column ranges run in parallel (`parallel::by_columns`); the same values for any
@@ -713,6 +712,67 @@ impl QuantizedRow {
         }
         Some(QuantizedRow { q, sums, scales })
     }
+
+    /// Each row of `k` values of `a` as [`QuantizedRow::of`]; `None` when a value is not
+    /// finite. The rows of the last call are kept with their `a` (up to [`LAST_ROWS_VALUES`]
+    /// values) and given again for the same bits: a layer's q, k and v projections read the
+    /// same `A`, and so do its gate and up projections.
+    fn of_rows(
+        a: &[f32],
+        k: usize,
+        padded: usize,
+        nibble_order: bool,
+    ) -> Option<Rc<Vec<QuantizedRow>>> {
+        let same = |last: &LastRows| {
+            (last.padded, last.nibble_order) == (padded, nibble_order)
+                && last.a.len() == a.len()
+                && last
+                    .a
+                    .iter()
+                    .zip(a)
+                    .all(|(x, y)| x.to_bits() == y.to_bits())
+        };
+        let hit = LAST_ROWS.with_borrow(|last| {
+            last.as_ref()
+                .filter(|last| same(last))
+                .map(|last| last.rows.clone())
+        });
+        if hit.is_some() {
+            return hit;
+        }
+        let rows = a
+            .chunks_exact(k)
+            .map(|row| QuantizedRow::of(row, padded, nibble_order))
+            .collect::<Option<Vec<_>>>()
+            .map(Rc::new);
+        LAST_ROWS.set(
+            rows.as_ref()
+                .filter(|_| a.len() <= LAST_ROWS_VALUES)
+                .map(|rows| LastRows {
+                    a: a.to_vec(),
+                    padded,
+                    nibble_order,
+                    rows: rows.clone(),
+                }),
+        );
+        rows
+    }
+}
+
+/// The most values of `A` whose rows [`QuantizedRow::of_rows`] keeps (eight rows of 2,048):
+/// decoding steps and small batches, not the copy of a prompt.
+const LAST_ROWS_VALUES: usize = 16_384;
+
+/// The rows [`QuantizedRow::of_rows`] gave last, with the `A` they came from.
+struct LastRows {
+    a: Vec<f32>,
+    padded: usize,
+    nibble_order: bool,
+    rows: Rc<Vec<QuantizedRow>>,
+}
+
+thread_local! {
+    static LAST_ROWS: RefCell<Option<LastRows>> = const { RefCell::new(None) };
 }
 
 /// The rows of a prompt as 16-bit integers, each rounded as one decoding row is
@@ -1892,6 +1952,43 @@ mod tests {
     fn stream(seed: u64) -> impl FnMut() -> u32 {
         let mut state = super::super::testing::xorshift(seed);
         move || (state() >> 32) as u32
+    }
+
+    /// `of_rows` gives the kept rows again only for the same bits of `A`, padding and order,
+    /// and otherwise rows quantized from what it is given.
+    #[test]
+    fn kept_rows_only_for_the_same_a() {
+        let mut next = stream(0x2545_f491_4f6c_dd1d);
+        let (k, padded) = (40, 64);
+        let a: Vec<f32> = (0..2 * k)
+            .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
+            .collect();
+        let first = QuantizedRow::of_rows(&a, k, padded, false).unwrap();
+        assert!(Rc::ptr_eq(
+            &first,
+            &QuantizedRow::of_rows(&a, k, padded, false).unwrap()
+        ));
+        let mut nudged = a.clone();
+        nudged[k + 3] = f32::from_bits(nudged[k + 3].to_bits() + 1);
+        for (a, padded, order) in [
+            (&nudged, padded, false),
+            (&a, 96, false),
+            (&a, padded, true),
+        ] {
+            let got = QuantizedRow::of_rows(a, k, padded, order).unwrap();
+            assert!(!Rc::ptr_eq(&first, &got));
+            for (row, got) in a.chunks_exact(k).zip(got.iter()) {
+                let want = QuantizedRow::of(row, padded, order).unwrap();
+                assert_eq!(
+                    (&got.q, &got.sums, &got.scales),
+                    (&want.q, &want.sums, &want.scales)
+                );
+            }
+        }
+        // A row that is not finite gives none, and is not kept.
+        nudged[5] = f32::NAN;
+        assert!(QuantizedRow::of_rows(&nudged, k, padded, false).is_none());
+        assert!(QuantizedRow::of_rows(&nudged, k, padded, false).is_none());
     }
 
     /// Split across 2, 3 and 5 parts (threads under the `threads` feature), the output is
