@@ -326,9 +326,10 @@ pub(super) fn multiply(b: &Ready, xb: &[f32], k: usize, n: usize, c: &mut [f32])
 
 /// `out[j] = x . keys[j]` for the `out.len()` rows of `keys` (`[n, x.len()]`, a decoding
 /// step's keys where they lie): four keys a pass over `x` (`dot4`: each value of `x` loaded
-/// once for four keys, four independent sums), the last `n % 4` through a copy padded with
-/// zeros. Each key's sum is computed alone, in the same order wherever it lies, so the keys
-/// in one part and in two (`past_where_it_lies`) give the same bits.
+/// once for four keys, four independent sums), the last `n % 4` as the last lanes of the four
+/// keys that end the range, or copied into four rows where it has fewer. Each key's sum is
+/// computed alone, in the same order wherever it lies, so the keys in one part and in two
+/// (`past_where_it_lies`) give the same bits.
 fn key_scores(x: &[f32], keys: &[f32], out: &mut [f32]) {
     let k = x.len();
     let parts = super::parallel::parts_for(k * out.len());
@@ -337,13 +338,28 @@ fn key_scores(x: &[f32], keys: &[f32], out: &mut [f32]) {
             let rows = &keys[at * k..(at + o.len()) * k];
             if o.len() == 4 {
                 o.copy_from_slice(&dot4(x, rows));
+            } else if cols.end >= 4 {
+                // The last rows of the range, as the last lanes of the four rows that end it
+                // (each lane's sum is its own row's): no padded copy at every step.
+                let last4 = &keys[(cols.end - 4) * k..cols.end * k];
+                o.copy_from_slice(&dot4(x, last4)[4 - o.len()..]);
             } else {
-                let mut padded = vec![0f32; 4 * k];
-                padded[..rows.len()].copy_from_slice(rows);
-                o.copy_from_slice(&dot4(x, &padded)[..o.len()]);
+                // Fewer than four keys (the step's own key): copied to the front of four rows
+                // kept for it (what the other rows hold reaches no lane that is read).
+                FEW_KEYS.with_borrow_mut(|four| {
+                    four.resize(4 * k, 0.0);
+                    four[..rows.len()].copy_from_slice(rows);
+                    o.copy_from_slice(&dot4(x, four)[..o.len()]);
+                });
             }
         }
     });
+}
+
+thread_local! {
+    /// Four rows of keys for [`key_scores`]' ranges of fewer than four (each decoding step's
+    /// own key, once a head and layer).
+    static FEW_KEYS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Grouped-query attention without repeated keys and values: a `MatMulRuntime` whose `B` is
@@ -481,6 +497,43 @@ fn repeated_heads(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each key's score has the bits of that key alone in the first row of a padded four,
+    /// for every count of keys (whole fours, their tails, fewer than four), split in parts
+    /// or not.
+    #[test]
+    fn key_scores_are_each_keys_own() {
+        let mut next = super::super::testing::uniform(0x6a09_e667_f3bc_c908);
+        let k = 20;
+        let x: Vec<f32> = (0..k).map(|_| next()).collect();
+        for n in 1..=11 {
+            let keys: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let want: Vec<u32> = keys
+                .chunks_exact(k)
+                .map(|key| {
+                    let mut padded = vec![0f32; 4 * k];
+                    padded[..k].copy_from_slice(key);
+                    dot4(&x, &padded)[0].to_bits()
+                })
+                .collect();
+            let mut out = vec![0f32; n];
+            key_scores(&x, &keys, &mut out);
+            assert_eq!(
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want,
+                "n={n}"
+            );
+            for parts in [2, 3] {
+                out.fill(0.0);
+                super::super::parallel::by_columns(&mut out, 1, n, 4, parts, |cols, block| {
+                    let keys = &keys[cols.start * k..cols.end * k];
+                    key_scores(&x, keys, block);
+                });
+                let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "n={n}, {parts} parts");
+            }
+        }
+    }
 
     /// Against tract's own matmul (EinSum) on the same operands: equal batch axes, broadcast
     /// ones (a batch axis of 1 on either side, a lower-rank operand), one row and several (the
