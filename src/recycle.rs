@@ -69,6 +69,7 @@ impl<A> Recycler<A> {
 }
 
 unsafe impl<A: GlobalAlloc> GlobalAlloc for Recycler<A> {
+    #[inline(never)]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         match self.take(layout) {
             Some(ptr) => ptr,
@@ -77,6 +78,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Recycler<A> {
         }
     }
 
+    #[inline(never)]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         match self.take(layout) {
             Some(ptr) => {
@@ -89,6 +91,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Recycler<A> {
         }
     }
 
+    #[inline(never)]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if !SIZES.contains(&layout.size()) {
             // SAFETY: `ptr` came from `inner` with this layout.
@@ -115,6 +118,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Recycler<A> {
         }
     }
 
+    #[inline(never)]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // SAFETY: every block came from `inner` (a kept one too), with `layout`.
         unsafe { self.inner.realloc(ptr, layout, new_size) }
