@@ -31,7 +31,6 @@ pub mod generate;
 pub mod model;
 pub mod npy;
 pub mod processors;
-pub mod recycle;
 pub mod search;
 pub mod tokenizer;
 pub mod vision;

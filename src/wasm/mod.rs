@@ -8,17 +8,6 @@ mod transcribe;
 mod types;
 mod vision;
 
-/// The package's allocator: dlmalloc behind [`crate::recycle::Recycler`] (one thread; the
-/// threads build keeps dlmalloc alone). In V8 profiles of 200 q4 steps in Node the
-/// allocation functions' own time went from 57 ms to 41 (dlmalloc's `memalign` and bins of
-/// large chunks no longer in it); two builds side by side in one Node process, q4 prompts of
-/// 128 tokens in turn, ten runs: the median step 1.5% shorter on average (from 6.6% shorter to
-/// 1.6% longer).
-#[cfg(not(target_feature = "atomics"))]
-#[global_allocator]
-static ALLOCATOR: crate::recycle::Recycler<std::alloc::System> =
-    crate::recycle::Recycler::new(std::alloc::System);
-
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
