@@ -306,8 +306,8 @@ pub fn check_prompt() {
 /// bits): every row of a prompt, which as they lie is rounded so from `INTEGER_PROMPT_ROWS`
 /// rows and taken through f32 weights below. With a NaN in a row, every row goes through f32
 /// weights, as it does for the weights as they lie: the same outputs within the rounding of
-/// sums taken in another order, NaN where the row has one. Block sizes 32 to 128 (a partial last block), default and packed
-/// zero points, N of one to three passes of sixteen columns.
+/// sums taken in another order, NaN where the row has one. Block sizes 32 to 128 (a partial
+/// last block), default and packed zero points, N of one to three passes of sixteen columns.
 pub fn check_lanes() {
     let mut next = stream(0x0a40_9382_2299_f31d);
     for (bs, k, n, packed) in [

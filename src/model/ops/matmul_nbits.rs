@@ -825,8 +825,8 @@ const PROMPT_COLS: usize = 8;
 /// One column of 4-bit weights (`src`, its `scales`) times every row of a prompt: each group's
 /// sum of `(q - zero) * x` in integers, then converted and scaled as the decoding kernel does
 /// (`kernels::q4_columns4_i16`: the total plus the sum times the row's scale times the block's
-/// scale), so a row gives the same bits in a prompt and in a decoding step. `out(r, total)` takes row `r`'s value. The portable prompt kernel, and the
-/// columns past the last eight.
+/// scale), so a row gives the same bits in a prompt and in a decoding step. `out(r, total)`
+/// takes row `r`'s value. The portable prompt kernel, and the columns past the last eight.
 #[allow(clippy::too_many_arguments)]
 fn q4_prompt_column(
     src: &[u8],
