@@ -338,7 +338,6 @@ export function yieldToEventLoop() {
   });
 }
 
-/** Whether an options object's `signal` is aborted (any object with `aborted`). */
 /**
  * The pixels of an image part: an `ImageBitmap` (or a canvas) is drawn into an OffscreenCanvas
  * and read back as an `ImageData` (RGBA); anything else is returned as it is.
@@ -359,6 +358,7 @@ export function imagePixels(image) {
   return ctx.getImageData(0, 0, width, height);
 }
 
+/** Whether an options object's `signal` is aborted (any object with `aborted`). */
 export function isAborted(signal) {
   return Boolean(signal && signal.aborted);
 }

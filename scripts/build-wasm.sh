@@ -54,6 +54,8 @@ add_relaxed() {
   rm -rf "$relaxed_tmp"
 }
 
+# Both packages: the wasm-package profile of Cargo.toml.
+profile=wasm-package
 if [ "$threads" = 1 ]; then
   out=pkg-threads
   target_dir=${THREADS_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/wasm-threads}
@@ -72,19 +74,18 @@ if [ "$threads" = 1 ]; then
     link="$link -C link-arg=$arg"
   done
   # shellcheck disable=SC2086
-  cargo +nightly rustc --release --target wasm32-unknown-unknown --lib --features threads \
-    --target-dir "$target_dir" -Z build-std=panic_abort,std -- $link
+  cargo +nightly rustc --profile "$profile" --target wasm32-unknown-unknown --lib \
+    --features threads --target-dir "$target_dir" -Z build-std=panic_abort,std -- $link
   rm -rf "$out"
   wasm-bindgen --target web --out-dir "$out" --out-name onnx_generate \
-    "$target_dir/wasm32-unknown-unknown/release/onnx_generate.wasm"
+    "$target_dir/wasm32-unknown-unknown/$profile/onnx_generate.wasm"
   # shellcheck disable=SC2086
-  add_relaxed "$out" "$target_dir-relaxed" release env \
+  add_relaxed "$out" "$target_dir-relaxed" "$profile" env \
     CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=$features,+relaxed-simd $memory" \
-    cargo +nightly rustc --release --target wasm32-unknown-unknown --lib --features threads \
-    --target-dir "$target_dir-relaxed" -Z build-std=panic_abort,std -- $link
+    cargo +nightly rustc --profile "$profile" --target wasm32-unknown-unknown --lib \
+    --features threads --target-dir "$target_dir-relaxed" -Z build-std=panic_abort,std -- $link
 else
   out=pkg
-  profile=wasm-package
   export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128"
   cargo build --profile "$profile" --target wasm32-unknown-unknown --lib
   rm -rf "$out"
@@ -94,24 +95,28 @@ else
   add_relaxed "$out" "$relaxed_dir" "$profile" env \
     CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="-C target-feature=+simd128,+relaxed-simd" \
     cargo build --profile "$profile" --target wasm32-unknown-unknown --lib --target-dir "$relaxed_dir"
-  # Generic code monomorphised into identical functions, merged (each round finds the callers
-  # of the last round's duplicates identical in turn), then unused elements dropped and locals
-  # renumbered: 57 KB less gzipped; then the arguments that every caller passes the same (or
-  # that go unused) removed and the functions that had them optimised, and branches to the end
-  # of their blocks dropped: 19 KB less. wasm-opt -Os/-Oz shrink the raw file but compress
-  # worse. (After align-exports.mjs, which compares wasm-bindgen's output of both files.)
-  dfe=--duplicate-function-elimination
-  for wasm in "$out/onnx_generate_bg.wasm" "$out/onnx_generate_bg_relaxed.wasm"; do
-    relaxed=""
-    case "$wasm" in *_relaxed.wasm) relaxed=--enable-relaxed-simd ;; esac
-    node node_modules/binaryen/bin/wasm-opt "$wasm" $relaxed \
-      --enable-simd --enable-bulk-memory \
-      --enable-nontrapping-float-to-int --enable-sign-ext --enable-mutable-globals \
-      --enable-multivalue --enable-reference-types \
-      $dfe $dfe $dfe $dfe --remove-unused-module-elements --coalesce-locals --reorder-locals \
-      --vacuum --dae-optimizing --remove-unused-brs --vacuum -o "$wasm"
-  done
 fi
+# Generic code monomorphised into identical functions, merged (each round finds the callers of
+# the last round's duplicates identical in turn), then unused elements dropped and locals
+# renumbered: 57 KB less gzipped; then the arguments that every caller passes the same (or that
+# go unused) removed and the functions that had them optimised, and branches to the end of their
+# blocks dropped: 19 KB less. wasm-opt -Os/-Oz shrink the raw file but compress worse. (After
+# align-exports.mjs, which compares wasm-bindgen's output of both files.)
+dfe=--duplicate-function-elimination
+for wasm in "$out/onnx_generate_bg.wasm" "$out/onnx_generate_bg_relaxed.wasm"; do
+  features=""
+  case "$wasm" in *_relaxed.wasm) features=--enable-relaxed-simd ;; esac
+  if [ "$threads" = 1 ]; then
+    features="$features --enable-threads"
+  fi
+  # shellcheck disable=SC2086
+  node node_modules/binaryen/bin/wasm-opt "$wasm" $features \
+    --enable-simd --enable-bulk-memory \
+    --enable-nontrapping-float-to-int --enable-sign-ext --enable-mutable-globals \
+    --enable-multivalue --enable-reference-types \
+    $dfe $dfe $dfe $dfe --remove-unused-module-elements --coalesce-locals --reorder-locals \
+    --vacuum --dae-optimizing --remove-unused-brs --vacuum -o "$wasm"
+done
 node scripts/finish-pkg.mjs "$out"
 for wasm in "$out"/onnx_generate_bg*.wasm; do
   raw=$(wc -c < "$wasm")
