@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use onnx_generate::decoder::Head;
 use onnx_generate::model::lm_head::LmHead;
-use onnx_generate::model::ops::linalg::panels_from_rows;
+use onnx_generate::model::ops::linalg::panel_index;
 use onnx_generate::model::ops::matmul_weights::{Layout, Weights};
 use tract_onnx::prelude::*;
 
@@ -58,7 +58,11 @@ fn inputs(k: usize) -> Vec<Vec<f32>> {
 fn head(w: &[f32], k: usize, n: usize, layout: Layout, f16_weights: bool, dt: DatumType) -> LmHead {
     let mut values = w.to_vec();
     if layout == Layout::Panels {
-        panels_from_rows(w, k, n, &mut values);
+        for j in 0..n {
+            for i in 0..k {
+                values[panel_index(j, i, n, k)] = w[j * k + i];
+            }
+        }
     }
     let tensor = if f16_weights {
         let h: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();

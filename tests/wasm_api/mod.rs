@@ -661,6 +661,81 @@ fn dot_panels_are_each_panels_sums() {
     }
 }
 
+/// The simd128 kernel of a prompt's attention scores (`model::ops::linalg::matmul_panels8`):
+/// each output the sum over `k` in order, `acc + a * b` from zero, bit for bit (within the
+/// rounding bound of that sum in the relaxed SIMD build, whose multiply-adds may be fused), and
+/// in both builds the same bits whatever rows and columns are computed with it: one to nine
+/// rows, all the columns at once and in ranges of eight (the threads' split), the last panel
+/// full and not.
+#[wasm_bindgen_test]
+fn matmul_panels8_sums_each_output_in_order() {
+    use onnx_generate::model::ops::linalg::{matmul_panels8, panels8_from_rows};
+    let value = |i: usize, m: usize| ((i * m % 89) as f32 - 44.0) / 13.0;
+    let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+    for (rows, k, n) in [
+        (9usize, 64usize, 37usize),
+        (4, 5, 8),
+        (6, 33, 19),
+        (1, 7, 3),
+    ] {
+        let a: Vec<f32> = (0..rows * k).map(|i| value(i, 29)).collect();
+        // `B` given as its `[n, k]` transpose, as the keys are.
+        let keys: Vec<f32> = (0..n * k).map(|i| value(i, 41) * 0.31).collect();
+        let mut panels = vec![f32::NAN; n.div_ceil(8) * 8 * k];
+        panels8_from_rows(&keys, k, n, &mut panels);
+        let mut whole = vec![0f32; rows * n];
+        matmul_panels8(&a, rows, k, &panels, n, 0..n, &mut whole);
+        for r in 0..rows {
+            for j in 0..n {
+                let got = whole[r * n + j];
+                let mut acc = 0f32;
+                for i in 0..k {
+                    acc += a[r * k + i] * keys[j * k + i];
+                }
+                let at = format!("rows {rows} k {k} n {n}: output {r}, {j}");
+                if cfg!(target_feature = "relaxed-simd") {
+                    let (exact, size) = (0..k).fold((0f64, 0f64), |(e, s), i| {
+                        let p = a[r * k + i] as f64 * keys[j * k + i] as f64;
+                        (e + p, s + p.abs())
+                    });
+                    let bound = (k + 1) as f64 * f32::EPSILON as f64 * size;
+                    assert!(
+                        (got as f64 - exact).abs() <= bound,
+                        "{at}: {got} against {exact}"
+                    );
+                } else {
+                    assert_eq!(got.to_bits(), acc.to_bits(), "{at}: {got} against {acc}");
+                }
+            }
+        }
+        // Each row alone, and the columns in ranges of eight.
+        for r in 0..rows {
+            let mut one = vec![0f32; n];
+            matmul_panels8(&a[r * k..(r + 1) * k], 1, k, &panels, n, 0..n, &mut one);
+            let want = &whole[r * n..(r + 1) * n];
+            assert_eq!(
+                bits(&one),
+                bits(want),
+                "rows {rows} k {k} n {n}: row {r} alone"
+            );
+        }
+        for start in (0..n).step_by(8) {
+            let cols = start..(start + 8).min(n);
+            let mut block = vec![0f32; rows * cols.len()];
+            matmul_panels8(&a, rows, k, &panels, n, cols.clone(), &mut block);
+            for r in 0..rows {
+                let want = &whole[r * n + cols.start..r * n + cols.end];
+                let got = &block[r * cols.len()..(r + 1) * cols.len()];
+                assert_eq!(
+                    bits(got),
+                    bits(want),
+                    "rows {rows} k {k} n {n}: columns {cols:?}"
+                );
+            }
+        }
+    }
+}
+
 /// The simd128 f16 kernels (`model::ops::linalg`, used by float16 models) against the f32
 /// kernels on the converted weights; row and column tails included, and the rows that
 /// `matvec_f16_nk` reads side by side (`STREAMS`) with rows left over. Without relaxed SIMD

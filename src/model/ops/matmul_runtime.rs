@@ -4,9 +4,9 @@
 //! lies (`linalg::axpy_rows`); more rows (a prompt, an encoder's frames) multiply a transposed
 //! copy of `B` with the prompt kernel of `MatMulWeights`. With `trans_b = 1` (made from a
 //! `MatMul` by `Transpose(K)`, the keys of `Q K^T`), `B` is given as `K`, `[.., n, k]`: one
-//! dot product per output for a decoding step, the prompt kernel on a panel copy otherwise,
-//! and no transposed copy of the keys in tract at every step (Whisper's decoder transposed its
-//! 1500 cached encoder keys per layer per step: a quarter of a step).
+//! dot product per output for a decoding step, `linalg::matmul_panels8` on a copy in panels
+//! otherwise, and no transposed copy of the keys in tract at every step (Whisper's decoder
+//! transposed its 1500 cached encoder keys per layer per step: a quarter of a step).
 //!
 //! tract's matmul packs both operands of such a product at every step, then runs its 8x8
 //! kernel for the one row of a decoding step: in Whisper's decoder, whose cross-attention reads
@@ -20,7 +20,8 @@ use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
 use super::linalg::{
-    axpy_rows, axpy_rows_with, dot4, panels_from_rows, transpose_nk, transpose_panels,
+    axpy_rows, axpy_rows_with, dot4, matmul_panels8, panels8_from_rows, transpose_nk,
+    transpose_panels,
 };
 use super::matmul_weights::{self, Layout};
 
@@ -266,11 +267,14 @@ pub(super) enum Ready<'a> {
     Copy(&'a [f32], Layout),
     /// `[k, n]` as it lies: each row of `A` adds up rows of `B`.
     Rows(&'a [f32]),
+    /// A `B` given transposed (`[n, k]`) as `[k, n]` in panels of eight columns, for
+    /// `linalg::matmul_panels8`.
+    Panels8(&'a [f32]),
 }
 
 /// `wb`, one batch's `B` (`[k, n]`, or `[n, k]` when `trans_b`), ready to multiply `m` rows of
-/// `A`: from `PROMPT_ROWS` rows copied (into `transposed`) for the prompt kernel, fewer (a
-/// decoding step's one row) read where it lies.
+/// `A`: from `PROMPT_ROWS` rows copied (into `transposed`), fewer (a decoding step's one row)
+/// read where it lies.
 pub(super) fn ready<'a>(
     trans_b: bool,
     wb: &'a [f32],
@@ -280,19 +284,20 @@ pub(super) fn ready<'a>(
     transposed: &'a mut Vec<f32>,
 ) -> Ready<'a> {
     if trans_b {
-        // B^T as it lies is `[n, k]`: the weights' kernels read it in place, through a panel
-        // copy for several rows (as from `[k, n]` below).
-        if m >= PROMPT_ROWS && k.is_multiple_of(4) {
-            transposed.resize(k * n, 0.0);
-            panels_from_rows(wb, k, n, transposed);
-            Ready::Copy(transposed, Layout::Panels)
+        if m >= PROMPT_ROWS {
+            // The keys of `Q K^T` in panels of eight, for `linalg::matmul_panels8`.
+            transposed.resize(n.div_ceil(8) * 8 * k, 0.0);
+            panels8_from_rows(wb, k, n, transposed);
+            Ready::Panels8(transposed)
         } else {
             Ready::Nk(wb)
         }
     } else if m >= PROMPT_ROWS {
         // B transposed to [n, k] (k n copies against m k n products), in panels when K allows,
         // then the prompt kernel of the weight matmuls: two rows of A per pass over four
-        // columns.
+        // columns. (`matmul_panels8` on panels of B adds in another order: the int8 SmolLM2
+        // file, whose `DynamicQuantizeLinear` rounds a whole prompt with one scale, then
+        // answered its question otherwise.)
         transposed.resize(k * n, 0.0);
         if k.is_multiple_of(4) {
             transpose_panels(wb, k, n, transposed);
@@ -316,6 +321,13 @@ pub(super) fn multiply(b: &Ready, xb: &[f32], k: usize, n: usize, c: &mut [f32])
         Ready::Nk(w) if rows == 1 => key_scores(xb, &w[..k * n], c),
         Ready::Nk(w) => matmul_weights::matmul_f32_nk(xb, rows, w, k, n, Layout::Nk, c),
         Ready::Copy(w, layout) => matmul_weights::matmul_f32_nk(xb, rows, w, k, n, layout, c),
+        Ready::Panels8(w) => {
+            // Each output one sum in order: the same for any split of the rows or columns.
+            let parts = super::parallel::parts_for(rows * k * n);
+            super::parallel::by_columns(c, rows, n, 8, parts, |cols, block| {
+                matmul_panels8(xb, rows, k, w, n, cols, block)
+            });
+        }
         Ready::Rows(w) => {
             for (r, row) in c.chunks_exact_mut(n.max(1)).enumerate() {
                 axpy_rows(&xb[r * k..(r + 1) * k], w, n, row);
