@@ -669,7 +669,7 @@ fn dot_panels_are_each_panels_sums() {
 /// full and not.
 #[wasm_bindgen_test]
 fn matmul_panels8_sums_each_output_in_order() {
-    use onnx_generate::model::ops::linalg::{matmul_panels8, panels8_from_rows};
+    use onnx_generate::model::ops::linalg::{matmul_panels8, panels8_from_rows, panels8_len};
     let value = |i: usize, m: usize| ((i * m % 89) as f32 - 44.0) / 13.0;
     let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
     for (rows, k, n) in [
@@ -681,7 +681,7 @@ fn matmul_panels8_sums_each_output_in_order() {
         let a: Vec<f32> = (0..rows * k).map(|i| value(i, 29)).collect();
         // `B` given as its `[n, k]` transpose, as the keys are.
         let keys: Vec<f32> = (0..n * k).map(|i| value(i, 41) * 0.31).collect();
-        let mut panels = vec![f32::NAN; n.div_ceil(8) * 8 * k];
+        let mut panels = vec![f32::NAN; panels8_len(k, n)];
         panels8_from_rows(&keys, k, n, &mut panels);
         let mut whole = vec![0f32; rows * n];
         matmul_panels8(&a, rows, k, &panels, n, 0..n, &mut whole);

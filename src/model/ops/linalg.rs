@@ -721,13 +721,19 @@ pub fn axpy_rows(x: &[f32], w: &[f32], stride: usize, out: &mut [f32]) {
     axpy_rows_with(x, |k| &w[k * stride..k * stride + n], out);
 }
 
+/// The values of `[k, n]` in panels of eight columns ([`panels8_from_rows`]): `n` rounded up
+/// to whole panels.
+pub fn panels8_len(k: usize, n: usize) -> usize {
+    n.div_ceil(8) * 8 * k
+}
+
 /// `src`, an `[n, k]` matrix (the keys of an attention head), as `[k, n]` in panels of eight
-/// columns into `dst` (`n.div_ceil(8) * 8 * k` values): panel `p` holds value `i` of rows `8 p
+/// columns into `dst` ([`panels8_len`] values): panel `p` holds value `i` of rows `8 p
 /// .. 8 p + 8` at `8 k p + 8 i ..`, zeros past the last row, so that [`matmul_panels8`] reads
 /// each panel in one stream and computes a last partial panel as the others.
 pub fn panels8_from_rows(src: &[f32], k: usize, n: usize, dst: &mut [f32]) {
     assert!(
-        src.len() >= n * k && dst.len() >= n.div_ceil(8) * 8 * k,
+        src.len() >= n * k && dst.len() >= panels8_len(k, n),
         "panels8_from_rows: {} and {} values for [{n}, {k}]",
         src.len(),
         dst.len()
@@ -771,7 +777,7 @@ pub fn matmul_panels8(
         a.len() >= rows * k
             && cols.start.is_multiple_of(8)
             && cols.end <= n
-            && panels.len() >= n.div_ceil(8) * 8 * k
+            && panels.len() >= panels8_len(k, n)
             && block.len() >= rows * width,
         "matmul_panels8: {rows} rows of {k}, {} values of B for {n} columns, columns {cols:?}",
         panels.len()
@@ -782,15 +788,21 @@ pub fn matmul_panels8(
     }
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
     {
+        // A panel's eight sums side by side, each over `k` in order (LLVM vectorizes the
+        // lanes).
         for (r, out) in block.chunks_exact_mut(width.max(1)).take(rows).enumerate() {
-            for (c, o) in out.iter_mut().enumerate() {
-                let (p, lane) = ((cols.start + c) / 8, (cols.start + c) % 8);
-                let panel = &panels[8 * k * p..8 * k * (p + 1)];
-                let mut acc = 0f32;
-                for (i, &x) in a[r * k..(r + 1) * k].iter().enumerate() {
-                    acc += x * panel[8 * i + lane];
+            for (j, out) in out.chunks_mut(8).enumerate() {
+                let p = cols.start / 8 + j;
+                let mut acc = [0f32; 8];
+                for (&x, w) in a[r * k..(r + 1) * k]
+                    .iter()
+                    .zip(panels[8 * k * p..8 * k * (p + 1)].chunks_exact(8))
+                {
+                    for (acc, &w) in acc.iter_mut().zip(w) {
+                        *acc += x * w;
+                    }
                 }
-                *o = acc;
+                out.copy_from_slice(&acc[..out.len()]);
             }
         }
     }
@@ -832,7 +844,7 @@ mod tests {
         for (rows, k, n) in [(5usize, 64usize, 21usize), (2, 3, 16), (1, 9, 5)] {
             let a: Vec<f32> = (0..rows * k).map(|_| next()).collect();
             let keys: Vec<f32> = (0..n * k).map(|_| next()).collect();
-            let mut panels = vec![f32::NAN; n.div_ceil(8) * 8 * k];
+            let mut panels = vec![f32::NAN; panels8_len(k, n)];
             panels8_from_rows(&keys, k, n, &mut panels);
             let mut whole = vec![0f32; rows * n];
             matmul_panels8(&a, rows, k, &panels, n, 0..n, &mut whole);

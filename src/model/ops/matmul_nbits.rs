@@ -745,16 +745,23 @@ impl QuantizedRow {
             .map(|row| QuantizedRow::of(row, padded, nibble_order))
             .collect::<Option<Vec<_>>>()
             .map(Rc::new);
-        LAST_ROWS.set(
-            rows.as_ref()
+        LAST_ROWS.with_borrow_mut(|last| {
+            // The copy of `A` goes into the last one's buffer.
+            let mut kept = last.take().map(|last| last.a).unwrap_or_default();
+            *last = rows
+                .as_ref()
                 .filter(|_| a.len() <= LAST_ROWS_VALUES)
-                .map(|rows| LastRows {
-                    a: a.to_vec(),
-                    padded,
-                    nibble_order,
-                    rows: rows.clone(),
-                }),
-        );
+                .map(|rows| {
+                    kept.clear();
+                    kept.extend_from_slice(a);
+                    LastRows {
+                        a: kept,
+                        padded,
+                        nibble_order,
+                        rows: rows.clone(),
+                    }
+                });
+        });
         rows
     }
 }

@@ -20,7 +20,7 @@ use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
 use super::linalg::{
-    axpy_rows, axpy_rows_with, dot4, matmul_panels8, panels8_from_rows, transpose_nk,
+    axpy_rows, axpy_rows_with, dot4, matmul_panels8, panels8_from_rows, panels8_len, transpose_nk,
     transpose_panels,
 };
 use super::matmul_weights::{self, Layout};
@@ -286,7 +286,7 @@ pub(super) fn ready<'a>(
     if trans_b {
         if m >= PROMPT_ROWS {
             // The keys of `Q K^T` in panels of eight, for `linalg::matmul_panels8`.
-            transposed.resize(n.div_ceil(8) * 8 * k, 0.0);
+            transposed.resize(panels8_len(k, n), 0.0);
             panels8_from_rows(wb, k, n, transposed);
             Ready::Panels8(transposed)
         } else {
