@@ -6,11 +6,12 @@
 # functions that compiled to the same code. Prints each wasm's size, raw and gzipped: each must
 # stay within 3 MB gzipped (scripts/test-wasm.sh checks it).
 #
-# --threads builds the threads package in pkg-threads/ instead: the `threads` feature (rayon)
-# with wasm-bindgen-rayon's initThreadPool, on the nightly toolchain with std rebuilt for
-# shared memory (-Z build-std, +atomics,+bulk-memory,+mutable-globals), in its own target
-# folder (wasm-threads/ in the target folder, cold the first time). It needs a cross-origin isolated page
-# (COOP/COEP) and Web Workers, so it runs in browsers, not in Node.
+# --threads builds the threads package in pkg-threads/ instead, with the same profile and
+# binaryen passes: the `threads` feature (rayon) with wasm-bindgen-rayon's initThreadPool, on
+# the nightly toolchain with std rebuilt for shared memory (-Z build-std,
+# +atomics,+bulk-memory,+mutable-globals), in its own target folder (wasm-threads/ in the target
+# folder, cold the first time). It needs a cross-origin isolated page (COOP/COEP) and Web
+# Workers, so it runs in browsers, not in Node.
 set -eu
 cd "$(dirname "$0")/.."
 threads=0
