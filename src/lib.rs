@@ -21,6 +21,10 @@
     feature(stdarch_wasm_atomic_wait)
 )]
 
+// Test code shared with the integration tests names the crate as they do.
+#[cfg(test)]
+extern crate self as onnx_generate;
+
 pub mod audio;
 pub mod cache;
 pub mod chat;

@@ -374,7 +374,10 @@ impl Seq2Seq {
             .position(|n| n == "last_hidden_state" || n == "encoder_hidden_states")
             .unwrap_or(0);
         let runnable = optimize(model)
-            .and_then(|m| m.into_runnable())
+            .and_then(|mut m| {
+                crate::model::ops::attention::fuse(&mut m)?;
+                m.into_runnable()
+            })
             .map_err(|e| Error::Model(format!("tract cannot compile the encoder: {e:?}")))?;
         let plan = Arc::new(EncoderPlan {
             runnable,
@@ -513,7 +516,10 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
         })
         .collect::<Vec<_>>();
     let runnable = optimize(model)
-        .and_then(|m| m.into_runnable())
+        .and_then(|mut m| {
+            crate::model::ops::attention::fuse(&mut m)?;
+            m.into_runnable()
+        })
         .map_err(|e| Error::Model(format!("tract cannot compile the decoder: {e:?}")))?;
     Ok(Plan {
         runnable,

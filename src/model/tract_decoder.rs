@@ -622,6 +622,7 @@ fn compile(
     } else {
         vec![false; typed.outputs.len()]
     };
+    crate::model::ops::attention::fuse(&mut typed).map_err(backend)?;
     let head = cut_lm_head(&mut typed, logits, head_of).map_err(backend)?;
     crate::model::ops::baked::bake(&mut typed).map_err(backend)?;
     let runnable = typed.into_runnable().map_err(backend)?;
@@ -667,9 +668,9 @@ fn cut_lm_head(
 /// (`ops::nan_guard`), the attention products of grouped-query attention rewired to read each
 /// group's keys and values where they lie (`matmul_runtime::grouped_kv`), the scales of
 /// dynamically quantized products applied by the products (`matmul_integer::fuse_scales`), and
-/// each `MatMul -> Softmax -> MatMul` attention computed a block of query rows at a time
-/// (`attention::fuse`), and the axes' reshapes and moves done on concrete shapes
-/// (`ops::axes`).
+/// the axes' reshapes and moves done on concrete shapes (`ops::axes`). The callers then fuse
+/// the attentions (`attention::fuse`), after a decoder's products read its cache where it lies
+/// (`past_where_it_lies`), whose rewrite takes the products as they are.
 ///
 /// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
 /// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal
@@ -688,7 +689,6 @@ pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
     crate::model::ops::nan_guard::fuse(&mut typed)?;
     crate::model::ops::matmul_runtime::grouped_kv(&mut typed)?;
     crate::model::ops::matmul_integer::fuse_scales(&mut typed)?;
-    crate::model::ops::attention::fuse(&mut typed)?;
     crate::model::ops::axes::replace(&mut typed)?;
     Ok(typed)
 }

@@ -951,81 +951,18 @@ fn relaxed_simd_kernels_are_within_the_rounding_bound() {
     }
 }
 
-/// Attention fused a block of query rows at a time (`model::ops::attention`) against the three
-/// ops it replaces (`MatMulRuntime`, tract's `Softmax`, `MatMulRuntime`): bit for bit, with
-/// scores over several blocks (Whisper's encoder) and within one, one batch axis and two, `K`
-/// given transposed or not. (Natively tract's softmax rounds by each row's address alignment;
-/// the unit tests compare there to rounding.)
+#[path = "../support/attention.rs"]
+mod attention;
+
+/// Attention fused a block of query rows at a time (`model::ops::attention`) against the ops it
+/// replaces, one after the other (`tests/support/attention.rs`): bit for bit. (Natively tract's
+/// softmax rounds by each row's address alignment; the unit tests compare there to rounding.)
 #[wasm_bindgen_test]
-fn fused_attention_gives_the_bits_of_the_three_ops() {
-    use onnx_generate::model::ops::attention::fuse;
-    use onnx_generate::model::ops::matmul_runtime::RuntimeOp;
-    use tract_onnx::prelude::*;
-    use tract_onnx::tract_core::ops::nn::{Softmax, SoftmaxKind};
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        ((state >> 40) % 2001) as f32 / 1000.0 - 1.0
-    };
-    for (batch, m, n, d, e, trans_b) in [
-        (&[2usize][..], 150, 1500, 64, 64, true),
-        (&[1, 2][..], 70, 300, 12, 8, false),
-        (&[3][..], 9, 40, 4, 4, true),
-    ] {
-        let shape = |last2: [usize; 2]| [batch, &last2[..]].concat();
-        let mut tensor = |shape: &[usize]| {
-            let v: Vec<f32> = (0..shape.iter().product()).map(|_| next()).collect();
-            Tensor::from_shape(shape, &v).unwrap()
-        };
-        let (q, k) = (
-            tensor(&shape([m, d])),
-            tensor(&shape(if trans_b { [n, d] } else { [d, n] })),
-        );
-        let v = tensor(&shape([n, e]));
-        let mut model = TypedModel::default();
-        let q = model.add_const("q", q).unwrap();
-        let k = model.add_const("k", k).unwrap();
-        let v = model.add_const("v", v).unwrap();
-        let s = model
-            .wire_node(
-                "qk",
-                RuntimeOp {
-                    trans_b,
-                    group: 1,
-                    split_b: false,
-                },
-                &[q, k],
-            )
-            .unwrap();
-        let softmax = Softmax::new(tvec![batch.len() + 1], None, SoftmaxKind::Softmax);
-        let p = model.wire_node("softmax", softmax, &s).unwrap();
-        let values = RuntimeOp {
-            trans_b: false,
-            group: 1,
-            split_b: false,
-        };
-        let y = model.wire_node("pv", values, &[p[0], v]).unwrap();
-        model.select_output_outlets(&y).unwrap();
-        let bits = |m: TypedModel| -> Vec<u32> {
-            let out = m.into_runnable().unwrap().run(tvec!()).unwrap().remove(0);
-            let out = out
-                .try_as_plain_ram()
-                .unwrap()
-                .as_slice::<f32>()
-                .unwrap()
-                .to_vec();
-            out.iter().map(|v| v.to_bits()).collect()
-        };
-        let before = bits(model.clone());
-        assert_eq!(fuse(&mut model).unwrap(), 1);
-        assert_eq!(
-            before,
-            bits(model),
-            "batch {batch:?} m {m} n {n} trans_b {trans_b}"
-        );
-    }
+fn fused_attention_gives_the_bits_of_the_ops() {
+    attention::check_fused_attention(|case, before, after| {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(before), bits(after), "{case}");
+    });
 }
 
 #[path = "../support/lm_head.rs"]

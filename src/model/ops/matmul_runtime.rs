@@ -336,6 +336,42 @@ pub(super) fn multiply(b: &Ready, xb: &[f32], k: usize, n: usize, c: &mut [f32])
     }
 }
 
+/// [`multiply`] for the first `live` columns of `c` (`[rows, n]`) only, where `B` is in panels
+/// of eight (`Ready::Panels8`: the keys of a prompt's scores): the columns up to the panel that
+/// holds column `live - 1`, computed into `compact` (`[rows, w]`) and copied into `c`'s rows.
+/// Each is the sum [`multiply`] would give (one sum in order). Other forms compute every
+/// column. Returns `w`, how many columns were computed; the others are left as they are.
+pub(super) fn multiply_first(
+    b: &Ready,
+    xb: &[f32],
+    k: usize,
+    n: usize,
+    live: usize,
+    c: &mut [f32],
+    compact: &mut Vec<f32>,
+) -> usize {
+    let w = live.div_ceil(8) * 8;
+    let Ready::Panels8(panels) = *b else {
+        multiply(b, xb, k, n, c);
+        return n;
+    };
+    if w >= n {
+        multiply(b, xb, k, n, c);
+        return n;
+    }
+    let rows = xb.len() / k.max(1);
+    compact.clear();
+    compact.resize(rows * w, 0.0);
+    let parts = super::parallel::parts_for(rows * k * w);
+    super::parallel::by_columns(compact, rows, w, 8, parts, |cols, block| {
+        matmul_panels8(xb, rows, k, panels, n, cols, block)
+    });
+    for (row, sums) in c.chunks_exact_mut(n).zip(compact.chunks_exact(w.max(1))) {
+        row[..w].copy_from_slice(sums);
+    }
+    w
+}
+
 /// `out[j] = x . keys[j]` for the `out.len()` rows of `keys` (`[n, x.len()]`, a decoding
 /// step's keys where they lie): four keys a pass over `x` (`dot4`: each value of `x` loaded
 /// once for four keys, four independent sums), the last `n % 4` as the last lanes of the four

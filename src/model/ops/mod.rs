@@ -117,11 +117,26 @@ pub(crate) fn matmul_output_fact(a: &TypedFact, n: usize) -> TypedFact {
 }
 
 /// Whether `outlet` is its node's only output, read by one node and not an output of the model:
-/// what a fusion takes in may then be left out of the plan.
+/// what a fusion takes in may then be left out of the plan. Readers whose outputs nothing reads
+/// (left out of the plan by an earlier fusion, such as the `IsNan` of `nan_guard::fuse`) do not
+/// count.
 pub(crate) fn only_reader(model: &TypedModel, outlet: OutletId) -> bool {
+    let outputs = model.output_outlets().ok();
+    let is_output = |o: OutletId| outputs.is_some_and(|outputs| outputs.contains(&o));
+    let live = |node: usize| {
+        let node = model.node(node);
+        (0..node.outputs.len()).any(|slot| {
+            !node.outputs[slot].successors.is_empty() || is_output(OutletId::new(node.id, slot))
+        })
+    };
     model.node(outlet.node).outputs.len() == 1
-        && model.outlet_successors(outlet).len() == 1
-        && !model.output_outlets().is_ok_and(|o| o.contains(&outlet))
+        && model
+            .outlet_successors(outlet)
+            .iter()
+            .filter(|inlet| live(inlet.node))
+            .count()
+            == 1
+        && !is_output(outlet)
 }
 
 /// An op's output: a zeroed f32 tensor of `shape` whose values `fill` writes where they stay.

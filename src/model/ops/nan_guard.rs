@@ -21,6 +21,19 @@ impl NanTo {
     fn value(&self) -> f32 {
         f32::from_bits(self.0)
     }
+
+    /// Whether the value is a zero (of either sign).
+    pub(super) fn is_zero(&self) -> bool {
+        self.value() == 0.0
+    }
+
+    /// `x`'s NaNs replaced, in place (every value written, so that the loop vectorizes).
+    pub(super) fn apply(&self, x: &mut [f32]) {
+        let value = self.value();
+        for v in x {
+            *v = if v.is_nan() { value } else { *v };
+        }
+    }
 }
 
 impl Op for NanTo {
@@ -50,11 +63,7 @@ impl EvalOp for NanTo {
         let mut out = x.into_tensor();
         {
             let mut plain = out.try_as_plain_ram_mut()?;
-            for v in plain.as_slice_mut::<f32>()? {
-                if v.is_nan() {
-                    *v = self.value();
-                }
-            }
+            self.apply(plain.as_slice_mut::<f32>()?);
         }
         Ok(tvec!(out.into_tvalue()))
     }
