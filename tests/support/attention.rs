@@ -92,13 +92,14 @@ const CASES: &[Case] = &[
         mask: Some(Mask::Causal(70)),
         guard: true,
     },
-    // A first prompt: no past, a position count that is not a multiple of 4.
+    // A first prompt: no past, a position count that is not a multiple of 4, two blocks (the
+    // first sees 216 positions of 301, which its products leave out past that).
     Case {
         lead: &[1, 4],
         group: 2,
-        m: 37,
-        parts: &[0, 37],
-        d: 16,
+        m: 301,
+        parts: &[0, 301],
+        d: 64,
         e: 16,
         trans_b: true,
         mask: Some(Mask::Causal(0)),

@@ -319,13 +319,21 @@ impl AttentionOp {
                         // of 4 the sums are those of the whole, where a position keeps its lane
                         // (`dot4x2`, `dot4x2_panel`) when it is below `4 * (n / 4)`; the
                         // others were a tail of zeros. (A zero times an infinite value, NaN, is
-                        // left out too: the values are finite.)
+                        // left out too: the values are finite.) The values are then laid out
+                        // again for those positions, which pays when it saves more than 16
+                        // times its copies (a block of few rows saves little: the prompt's
+                        // last steps after a long past).
                         let zeros = !blind || self.nan_to.as_ref().is_some_and(|g| g.is_zero());
                         let short = live.div_ceil(4) * 4;
+                        let full = n / 4 * 4;
                         if self.mask && zeros && short == 0 {
                             // Every sum is of zeros alone: +0.
                             into.fill(0.0);
-                        } else if self.mask && zeros && short < n / 4 * 4 {
+                        } else if self.mask
+                            && zeros
+                            && short < full
+                            && (full - short) * rows > 16 * short
+                        {
                             compact.clear();
                             for row in s.chunks_exact(n) {
                                 compact.extend_from_slice(&row[..short]);

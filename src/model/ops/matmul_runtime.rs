@@ -339,8 +339,10 @@ pub(super) fn multiply(b: &Ready, xb: &[f32], k: usize, n: usize, c: &mut [f32])
 /// [`multiply`] for the first `live` columns of `c` (`[rows, n]`) only, where `B` is in panels
 /// of eight (`Ready::Panels8`: the keys of a prompt's scores): the columns up to the panel that
 /// holds column `live - 1`, computed into `compact` (`[rows, w]`) and copied into `c`'s rows.
-/// Each is the sum [`multiply`] would give (one sum in order). Other forms compute every
-/// column. Returns `w`, how many columns were computed; the others are left as they are.
+/// Each is the sum [`multiply`] would give (one sum in order). Other forms, and columns left
+/// out that would save less than 16 times the copy (each is `k` products, a copied value one
+/// move), compute every column. Returns `w`, how many columns were computed; the others are
+/// left as they are.
 pub(super) fn multiply_first(
     b: &Ready,
     xb: &[f32],
@@ -355,7 +357,7 @@ pub(super) fn multiply_first(
         multiply(b, xb, k, n, c);
         return n;
     };
-    if w >= n {
+    if w >= n || (n - w) * k < 16 * w {
         multiply(b, xb, k, n, c);
         return n;
     }
