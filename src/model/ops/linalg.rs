@@ -26,6 +26,15 @@ pub fn dot4(x: &[f32], w: &[f32]) -> [f32; 4] {
     dot4_rows::<1, false>([x], w)[0]
 }
 
+/// [`dot4`] of `x` with each four consecutive rows of `w` (`out.len()` rows, a multiple of
+/// four), into `out`: the same sums, the kernel inlined in one loop (a decoding step's keys).
+pub fn dot4_each(x: &[f32], w: &[f32], out: &mut [f32]) {
+    let k = x.len();
+    for (o, rows) in out.chunks_exact_mut(4).zip(w.chunks_exact(4 * k.max(1))) {
+        o.copy_from_slice(&dot4_rows::<1, false>([x], rows)[0]);
+    }
+}
+
 /// [`dot4`] for two rows `x0` and `x1` at once: each weight loaded once for both (`MatMulNBits`
 /// takes a prompt's rows in pairs; with the four-lane sums, q4 SmolLM2 reached its first token
 /// in wasm 30% sooner).

@@ -20,8 +20,8 @@ use tract_onnx::tract_hir::internal::*;
 use tract_onnx::tract_hir::ops::matmul::{compute_shapes, MatMulInference};
 
 use super::linalg::{
-    axpy_rows, axpy_rows_with, dot4, matmul_panels8, panels8_from_rows, panels8_len, transpose_nk,
-    transpose_panels,
+    axpy_rows, axpy_rows_with, dot4, dot4_each, matmul_panels8, panels8_from_rows, panels8_len,
+    transpose_nk, transpose_panels,
 };
 use super::matmul_weights::{self, Layout};
 
@@ -384,11 +384,14 @@ fn key_scores(x: &[f32], keys: &[f32], out: &mut [f32]) {
     let k = x.len();
     let parts = super::parallel::parts_for(k * out.len());
     super::parallel::by_columns(out, 1, out.len(), 4, parts, |cols, block| {
-        for (at, o) in cols.clone().step_by(4).zip(block.chunks_mut(4)) {
+        let whole = block.len() / 4 * 4;
+        dot4_each(x, &keys[cols.start * k..], &mut block[..whole]);
+        for (at, o) in (cols.start + whole..cols.end)
+            .step_by(4)
+            .zip(block[whole..].chunks_mut(4))
+        {
             let rows = &keys[at * k..(at + o.len()) * k];
-            if o.len() == 4 {
-                o.copy_from_slice(&dot4(x, rows));
-            } else if cols.end >= 4 {
+            if cols.end >= 4 {
                 // The last rows of the range, as the last lanes of the four rows that end it
                 // (each lane's sum is its own row's): no padded copy at every step.
                 let last4 = &keys[(cols.end - 4) * k..cols.end * k];
