@@ -3,21 +3,22 @@
 //! of one block (about 256 KiB) exist at once instead of those of every head and row. Whisper
 //! base's encoder (no mask or guard) held `[8, 1500, 1500]` f32 scores per layer (72 MB), and
 //! wasm memory never shrinks: after transcribing `beckett.wav` in Node, wasm memory went from
-//! 463 to 414 MB and the process from 590 to 545 MB. A decoder's prompt (SmolLM2: the causal
-//! mask added, a NaN guard after the softmax, grouped heads, the cache in two parts) held
-//! `[9, m, m]` scores per layer, 36 MB at 1,000 tokens and 576 MB at 4,000, and went over them
-//! four times (the product, the mask, the softmax, the guard) out of the processor's caches.
+//! 463 to 414 MB and the process from 590 to 545 MB. A decoder's prompt step (SmolLM2: the
+//! causal mask added, a NaN guard after the softmax, grouped heads, the cache in two parts)
+//! held `[9, rows, positions]` scores per layer, up to 512 rows (74 MB at 4,000 positions), and
+//! went over them four times (the product, the mask, the softmax, the guard) out of the
+//! processor's caches.
 //!
 //! The same operations in the same order: each block goes through the products' kernels as the
 //! whole would (`matmul_runtime::ready` prepares `K` and `V` once per head of the cache; every
 //! block has at least `PROMPT_ROWS` rows, an even count but the last, so the kernels are those
 //! of the whole, pairing the same rows), then the mask's sums (`scores + mask`, as
-//! `BroadcastArith`), tract's `Softmax` over its rows and the guard. In wasm, whose softmax
-//! kernel reads each row from its start, the outputs are bit for bit those of the ops one after
-//! the other (`tests/wasm_api`); natively tract's x86 softmax rounds a row by its address
-//! alignment, so there they agree to rounding. Shapes the blocks do not cover (batch axes that
-//! broadcast, a mask that widens the scores, fewer rows than `PROMPT_ROWS`: a decoding step)
-//! run the ops one after the other.
+//! `BroadcastArith`), tract's softmax kernels over its rows, each row at the alignment it has
+//! in the whole tensor (`SoftmaxRows`), and the guard: the outputs are bit for bit those of the
+//! ops one after the other, natively and in wasm (`tests/support/attention.rs`). The positions
+//! that no row of a block sees are left out of its products where that pays (see `by_blocks`).
+//! Shapes the blocks do not cover (batch axes that broadcast, a mask that widens the scores,
+//! fewer rows than `PROMPT_ROWS`: a decoding step) run the ops one after the other.
 
 use tract_onnx::tract_core::ops::nn::{Softmax, SoftmaxKind};
 use tract_onnx::tract_core::tract_linalg::element_wise::ElementWise;
