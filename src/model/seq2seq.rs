@@ -21,7 +21,7 @@ use crate::model::ops::streams;
 use crate::model::session::Session;
 use crate::model::signature::{Dtype, Signature, ONNX_INT32};
 use crate::model::tract_decoder::{
-    int_tensor, last_logits, optimize, output_names, shared_initializers, GraphTemplate,
+    int_tensor, last_logits, output_names, runnable, shared_initializers, GraphTemplate,
 };
 
 /// What a request gives the encoder.
@@ -373,11 +373,7 @@ impl Seq2Seq {
             .iter()
             .position(|n| n == "last_hidden_state" || n == "encoder_hidden_states")
             .unwrap_or(0);
-        let runnable = optimize(model)
-            .and_then(|mut m| {
-                crate::model::ops::attention::fuse(&mut m)?;
-                m.into_runnable()
-            })
+        let runnable = runnable(model)
             .map_err(|e| Error::Model(format!("tract cannot compile the encoder: {e:?}")))?;
         let plan = Arc::new(EncoderPlan {
             runnable,
@@ -515,11 +511,7 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
             ))
         })
         .collect::<Vec<_>>();
-    let runnable = optimize(model)
-        .and_then(|mut m| {
-            crate::model::ops::attention::fuse(&mut m)?;
-            m.into_runnable()
-        })
+    let runnable = runnable(model)
         .map_err(|e| Error::Model(format!("tract cannot compile the decoder: {e:?}")))?;
     Ok(Plan {
         runnable,

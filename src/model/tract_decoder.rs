@@ -668,9 +668,10 @@ fn cut_lm_head(
 /// (`ops::nan_guard`), the attention products of grouped-query attention rewired to read each
 /// group's keys and values where they lie (`matmul_runtime::grouped_kv`), the scales of
 /// dynamically quantized products applied by the products (`matmul_integer::fuse_scales`), and
-/// the axes' reshapes and moves done on concrete shapes (`ops::axes`). The callers then fuse
-/// the attentions (`attention::fuse`), after a decoder's products read its cache where it lies
-/// (`past_where_it_lies`), whose rewrite takes the products as they are.
+/// the axes' reshapes and moves done on concrete shapes (`ops::axes`). The attentions are
+/// fused after it (`attention::fuse`): by [`runnable`], or by a decoder's plan once its
+/// products read its cache where it lies (`past_where_it_lies`, whose rewrite takes the
+/// products as they are).
 ///
 /// That pass splits an op fed by a boolean mask whose value tract derived symbolically from
 /// the coordinates (`uniform_tdim`) into one op per region where the mask is constant. A causal
@@ -691,6 +692,14 @@ pub(crate) fn optimize(model: InferenceModel) -> TractResult<TypedModel> {
     crate::model::ops::matmul_integer::fuse_scales(&mut typed)?;
     crate::model::ops::axes::replace(&mut typed)?;
     Ok(typed)
+}
+
+/// The plan of a graph without a cache read where it lies (an encoder, a seq2seq decoder):
+/// [`optimize`], then its attentions fused (`attention::fuse`).
+pub(crate) fn runnable(model: InferenceModel) -> TractResult<Arc<TypedRunnableModel>> {
+    let mut typed = optimize(model)?;
+    crate::model::ops::attention::fuse(&mut typed)?;
+    typed.into_runnable()
 }
 
 /// The names of a graph's outputs, in order.

@@ -364,10 +364,8 @@ pub(super) fn multiply_first(
     let rows = xb.len() / k.max(1);
     compact.clear();
     compact.resize(rows * w, 0.0);
-    let parts = super::parallel::parts_for(rows * k * w);
-    super::parallel::by_columns(compact, rows, w, 8, parts, |cols, block| {
-        matmul_panels8(xb, rows, k, panels, n, cols, block)
-    });
+    // The first `w` columns are the product with the first `w / 8` panels.
+    multiply(&Ready::Panels8(panels), xb, k, w, compact);
     for (row, sums) in c.chunks_exact_mut(n).zip(compact.chunks_exact(w.max(1))) {
         row[..w].copy_from_slice(sums);
     }
