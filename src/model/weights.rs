@@ -20,7 +20,8 @@
 //!   columns with shifts alone, a column a lane of its sums.
 //! * In decoder and encoder graphs, the `MatMul`s of runtime operands (the attention products)
 //!   become `MatMulRuntime` (`runtime_matmuls`); one by a `Transpose` of the last two axes
-//!   (scaled or not: the keys of `Q K^T`) reads the untransposed tensor (`trans_b`).
+//!   (scaled or not: the keys of `Q K^T`) reads the untransposed tensor (`trans_b`), and one by
+//!   another `Transpose` reads the keys that a transpose of the same input gives.
 //! * float16 graphs (`model_fp16.onnx`) are computed in f32 with the large weights kept in
 //!   f16 (tract computes f16 arithmetic slowly without native f16, on x86 and in wasm, and
 //!   converting every weight to f32 would double the memory): every `MatMul` whose `B` is a
@@ -494,8 +495,9 @@ fn weights_in_subgraphs(
 /// tied `lm_head`, which `rewrite` does not see in the branches) becomes `MatMulWeights`
 /// reading the matrix in place, as `rewrite` makes it at the top level.
 ///
-/// A `MatMul` by `Transpose(K)` over the last two axes, or by that times a scalar `s`
-/// ([`transposed_operands`]), becomes `MatMulRuntime(A, K)` (or `(Mul(A, s), K)`) with
+/// A `MatMul` by `Transpose(K)` over the last two axes (or by a transpose of another tensor
+/// that comes to the same, `K` then a transpose of that tensor too), or by that times a scalar
+/// `s` ([`transposed_operands`]), becomes `MatMulRuntime(A, K)` (or `(Mul(A, s), K)`) with
 /// `trans_b`: tract copied the transposed keys at every step (in Whisper's decoder its 1500
 /// cached encoder keys per layer, a quarter of a step).
 pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
@@ -506,7 +508,7 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
         let mut matrices = matrices.clone();
         matrices.extend(float_matrices(&graph.initializer));
         let transposed = transposed_matrices(&graph.node, &matrices);
-        let keys = transposed_operands(graph);
+        let (keys, mut made) = transposed_operands(graph);
         let mut nodes = Vec::with_capacity(graph.node.len());
         for mut node in std::mem::take(&mut graph.node) {
             let is_matmul = node.op_type == "MatMul" && node.domain.is_empty();
@@ -519,6 +521,8 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
             } else if is_matmul && !initializers.contains(&b) {
                 node.op_type = crate::model::ops::matmul_runtime::MATMUL_RUNTIME.into();
                 if let Some((k, scale)) = keys.get(&b) {
+                    // `K` made before its first product.
+                    nodes.extend(made.remove(k));
                     // `A @ (K^T s)` as `(A s) @ K^T`, K read as it lies.
                     if let Some(scale) = scale {
                         let scaled = format!("{}/scaled_a", node.output[0]);
@@ -559,8 +563,15 @@ pub fn runtime_matmuls(proto: &mut pb::ModelProto) {
 /// scaled by a scalar: `Transpose(K, perm=[0, .., r-1, r-2])` (or another transpose of `K`'s
 /// own input that comes to the same), or `Mul` of it by a one-value `Constant` or initializer
 /// (optimum's attention scales `Q` and `K^T` by `d^-1/4` each).
-/// Operand name -> (`K`, the scale's name).
-fn transposed_operands(graph: &pb::GraphProto) -> HashMap<String, (String, Option<String>)> {
+/// Operand name -> (`K`, the scale's name); and the `Transpose` nodes that make the `K`s the
+/// graph does not have, by name.
+#[allow(clippy::type_complexity)]
+fn transposed_operands(
+    graph: &pb::GraphProto,
+) -> (
+    HashMap<String, (String, Option<String>)>,
+    HashMap<String, pb::NodeProto>,
+) {
     let one_value = |t: &pb::TensorProto| t.dims.iter().product::<i64>() == 1;
     let scalars: HashSet<&str> = graph
         .node
@@ -592,24 +603,48 @@ fn transposed_operands(graph: &pb::GraphProto) -> HashMap<String, (String, Optio
     // (optimum's Whisper decoder computes the present key `Transpose(X, [0, 2, 1, 3])` and, for
     // `Q K^T`, `Transpose(X, [0, 2, 3, 1])`: a second copy of the keys, per layer, of all 1500
     // encoder positions).
-    let transposes: HashMap<&str, &str> = all
+    // Without a sibling, `K` is made (`made`) when `p` takes the last two axes in the reverse
+    // of their order in `X` (`X`'s rows as columns: keys, not values such as `Transpose(X, [0, 2,
+    // 1, 3])`): Whisper's encoder computes only `Transpose(X, [0, 2, 3, 1])`, whose product then
+    // took each block of rows in short dot products (`Ready::Copy`, the head's 64 values). `K`
+    // is a copy as `K^T` was.
+    let mut made = HashMap::new();
+    let transposes: HashMap<&str, String> = all
         .iter()
         .filter_map(|&(x, p, out)| {
             if swaps_last_two(p) {
-                return Some((out, x));
+                return Some((out, x.to_string()));
             }
             let r = p.len();
             let mut q = p.to_vec();
             q.swap(r.checked_sub(2)?, r - 1);
-            let (_, _, k) = all
-                .iter()
-                .find(|&&(y, qs, _)| y == x && qs == q.as_slice())?;
-            Some((out, *k))
+            if let Some((_, _, k)) = all.iter().find(|&&(y, qs, _)| y == x && qs == q) {
+                return Some((out, k.to_string()));
+            }
+            if p[r - 2] < p[r - 1] {
+                return None;
+            }
+            let k = format!("{out}/keys");
+            let transpose = pb::NodeProto {
+                op_type: "Transpose".into(),
+                name: k.clone(),
+                input: vec![x.to_string()],
+                output: vec![k.clone()],
+                attribute: vec![pb::AttributeProto {
+                    name: "perm".into(),
+                    r#type: pb::attribute_proto::AttributeType::Ints as i32,
+                    ints: q,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            made.insert(k.clone(), transpose);
+            Some((out, k))
         })
         .collect();
     let mut found: HashMap<String, (String, Option<String>)> = transposes
         .iter()
-        .map(|(t, k)| (t.to_string(), (k.to_string(), None)))
+        .map(|(t, k)| (t.to_string(), (k.clone(), None)))
         .collect();
     for n in &graph.node {
         if n.op_type != "Mul" || n.input.len() != 2 || n.output.len() != 1 {
@@ -622,10 +657,10 @@ fn transposed_operands(graph: &pb::GraphProto) -> HashMap<String, (String, Optio
             _ => None,
         };
         if let Some((k, s)) = scaled {
-            found.insert(n.output[0].clone(), (k.to_string(), Some(s.to_string())));
+            found.insert(n.output[0].clone(), (k.clone(), Some(s.to_string())));
         }
     }
-    found
+    (found, made)
 }
 
 /// A `Transpose` node's `perm`, if it has one (without, it reverses the axes).
@@ -849,8 +884,10 @@ mod tests {
     /// The keys of `Q K^T`: a `MatMul` by `Mul(Transpose(k, perm=[0, 1, 3, 2]), scale)`
     /// becomes `MatMulRuntime(Mul(q, scale), k)` with `trans_b`; by a `Transpose` alone,
     /// `MatMulRuntime(q, k)` with `trans_b`; by `Transpose(x, [0, 2, 3, 1])` beside
-    /// `present = Transpose(x, [0, 2, 1, 3])`, `MatMulRuntime(q, present)` with `trans_b`; other
-    /// permutations stay as they are.
+    /// `present = Transpose(x, [0, 2, 1, 3])`, `MatMulRuntime(q, present)` with `trans_b`; by
+    /// another alone that reverses the last two axes, `MatMulRuntime(q, Transpose(k, [0, 2, 1,
+    /// 3]))` with `trans_b`, that transpose made before the product; other permutations stay
+    /// as they are (the values of `P V`).
     #[test]
     fn matmuls_by_transposed_keys_read_the_keys() {
         let node =
@@ -891,7 +928,9 @@ mod tests {
                     node("MatMul", &["q", "kts"], "scores", None),
                     node("MatMul", &["q", "kt"], "plain", None),
                     node("Transpose", &["k"], "other", Some(vec![0, 2, 3, 1])),
-                    node("MatMul", &["q", "other"], "kept", None),
+                    node("MatMul", &["q", "other"], "alone", None),
+                    node("Transpose", &["v"], "vt", Some(vec![0, 2, 1, 3])),
+                    node("MatMul", &["p", "vt"], "values", None),
                     node("Transpose", &["x"], "present", Some(vec![0, 2, 1, 3])),
                     node("Transpose", &["x"], "xt", Some(vec![0, 2, 3, 1])),
                     node("MatMul", &["q", "xt"], "cross", None),
@@ -922,12 +961,23 @@ mod tests {
         let plain = by_output("plain");
         assert_eq!(plain.input, ["q", "k"]);
         assert!(trans_b(plain));
-        let kept = by_output("kept");
+        let made = by_output("other/keys");
         assert_eq!(
-            (kept.op_type.as_str(), &kept.input[..]),
-            (MATMUL_RUNTIME, &["q".to_string(), "other".to_string()][..])
+            (made.op_type.as_str(), &made.input[..], perm(made)),
+            ("Transpose", &["k".to_string()][..], Some(&[0, 2, 1, 3][..]))
         );
-        assert!(!trans_b(kept));
+        let alone = by_output("alone");
+        assert_eq!(alone.op_type, MATMUL_RUNTIME);
+        assert_eq!(alone.input, ["q", "other/keys"]);
+        assert!(trans_b(alone));
+        assert!(position("other/keys") < position("alone"));
+        let values = by_output("values");
+        assert_eq!(
+            (values.op_type.as_str(), &values.input[..]),
+            (MATMUL_RUNTIME, &["p".to_string(), "vt".to_string()][..])
+        );
+        assert!(!trans_b(values));
+        assert!(!nodes.iter().any(|n| n.output[0] == "vt/keys"));
         // `x` transposed to `[0, 2, 3, 1]` is the sibling `present` with its last two axes
         // swapped: the product reads `present`.
         let cross = by_output("cross");
