@@ -7,7 +7,7 @@
 //! positions: they count from the past length).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tract_onnx::pb;
 use tract_onnx::prelude::*;
@@ -15,13 +15,16 @@ use tract_onnx::prelude::*;
 use crate::cache::gather_rows;
 use crate::decoder::{DecoderState, Logits};
 use crate::error::{backend, Error, Result};
+use crate::model::lm_head::LmHead;
 use crate::model::onnx::{specialize_bool_input, Decoded};
+use crate::model::ops::matmul_weights::Weights;
 use crate::model::ops::parallel::{self, Step};
 use crate::model::ops::streams;
 use crate::model::session::Session;
 use crate::model::signature::{Dtype, Signature, ONNX_INT32};
 use crate::model::tract_decoder::{
-    int_tensor, last_logits, output_names, runnable, shared_initializers, GraphTemplate,
+    head_logits, int_tensor, output_names, runnable, runnable_without_head, shared_head,
+    shared_initializers, GraphTemplate,
 };
 
 /// What a request gives the encoder.
@@ -85,6 +88,9 @@ struct Plan {
     presents: Vec<(usize, usize)>,
     /// Present cross-attention outputs (only the first-step graph has them).
     cross: Vec<(usize, usize)>,
+    /// The `lm_head` computed outside the plan (output `logits` is then its input), as a
+    /// decoder-only model's (`tract_decoder::cut_lm_head`).
+    head: Option<Arc<LmHead>>,
 }
 
 #[derive(Debug)]
@@ -105,6 +111,9 @@ pub struct Seq2Seq {
     with_past: GraphTemplate,
     plans: Mutex<HashMap<(usize, u8), Arc<Plan>>>,
     encoder_plans: Mutex<HashMap<usize, Arc<EncoderPlan>>>,
+    /// The `lm_head` computed outside the decoder plans, shared by them (its int8 copy made
+    /// once): greedy decoding reads bounds of the logits from it (`LmHead::bounds`).
+    head: OnceLock<Arc<LmHead>>,
     vocab: usize,
     /// How many parts of a weight the decoding steps of one row read side by side, chosen on
     /// the first of them (`streams`), as a decoder-only model's.
@@ -176,6 +185,7 @@ impl Seq2Seq {
             with_past,
             plans: Mutex::new(HashMap::new()),
             encoder_plans: Mutex::new(HashMap::new()),
+            head: OnceLock::new(),
             streams: streams::Choice::default(),
             vocab,
         };
@@ -242,6 +252,7 @@ impl Seq2Seq {
             lengths: vec![0; rows_of.len()],
             scratch: vec![],
             session: Session::default(),
+            bounded: false,
         }))
     }
 
@@ -394,7 +405,8 @@ impl Seq2Seq {
             return Ok(p.clone());
         }
         let template = if first { &self.first } else { &self.with_past };
-        let plan = Arc::new(compile(template.parse()?, &self.signature, batch)?);
+        let head_of = |op, weight, dt| shared_head(&self.head, op, weight, dt);
+        let plan = Arc::new(compile(template.parse()?, &self.signature, batch, head_of)?);
         plans.insert((batch, first as u8), plan.clone());
         Ok(plan)
     }
@@ -432,7 +444,12 @@ fn cross_name(self_name: &str) -> String {
     self_name.replace(".decoder.", ".encoder.")
 }
 
-fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<Plan> {
+fn compile(
+    mut model: InferenceModel,
+    sig: &Signature,
+    batch: usize,
+    head_of: impl FnOnce(Weights, Arc<Tensor>, DatumType) -> Option<Arc<LmHead>>,
+) -> Result<Plan> {
     let b = TDim::from(batch);
     let s = TDim::from(model.symbols.sym("sequence"));
     let p = TDim::from(model.symbols.sym("past"));
@@ -511,7 +528,7 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
             ))
         })
         .collect::<Vec<_>>();
-    let runnable = runnable(model)
+    let (runnable, head) = runnable_without_head(model, logits, head_of)
         .map_err(|e| Error::Model(format!("tract cannot compile the decoder: {e:?}")))?;
     Ok(Plan {
         runnable,
@@ -519,6 +536,7 @@ fn compile(mut model: InferenceModel, sig: &Signature, batch: usize) -> Result<P
         logits,
         presents,
         cross,
+        head,
     })
 }
 
@@ -537,6 +555,9 @@ struct Seq2SeqState {
     scratch: Vec<u8>,
     /// tract's state of the last step's plan.
     session: Session,
+    /// Greedy decoding: a decoding step of one row may return upper bounds of its logits
+    /// (`DecoderState::bound_logits`).
+    bounded: bool,
 }
 
 impl DecoderState for Seq2SeqState {
@@ -655,7 +676,15 @@ impl DecoderState for Seq2SeqState {
         for l in self.lengths.iter_mut() {
             *l += seq;
         }
-        last_logits(&outputs[plan.logits], &vec![seq; rows], self.model.vocab)
+        let counts = vec![seq; rows];
+        let out = &outputs[plan.logits];
+        head_logits(
+            plan.head.as_ref(),
+            self.bounded,
+            out,
+            &counts,
+            self.model.vocab,
+        )
     }
 
     fn reorder(&mut self, parents: &[usize]) -> Result<()> {
@@ -703,7 +732,124 @@ impl DecoderState for Seq2SeqState {
             .unwrap_or(false)
     }
 
+    fn bound_logits(&mut self, on: bool) {
+        self.bounded = on;
+    }
+
     fn rows_may_differ(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Engine, Model, ModelFiles};
+
+    /// The `lm_head` computed outside the decoder plans (`Plan::head`) gives the plans' own
+    /// logits bit for bit: T5's and Whisper's fixtures against plans compiled with their
+    /// `lm_head` inside, a first step of three tokens and decoding steps, one row and two. In
+    /// greedy decoding (`bounded`) a decoding step of one row gives upper bounds of those
+    /// logits, which become them exactly.
+    #[test]
+    fn lm_head_outside_the_plans_gives_their_logits() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mel: Vec<f32> = (0..80 * 3000)
+            .map(|i| (i % 89) as f32 / 89.0 - 0.5)
+            .collect();
+        let cases = [
+            (
+                "t5",
+                EncoderInput::Ids(vec![vec![5, 9, 13, 1], vec![7, 3, 21, 1]]),
+            ),
+            (
+                "whisper-tiny",
+                EncoderInput::Features {
+                    shape: vec![80, 3000],
+                    rows: vec![mel.clone(), mel.iter().map(|x| -x).collect()],
+                },
+            ),
+        ];
+        for (name, input) in cases {
+            let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/models")
+                .join(name);
+            let model = Model::load(&ModelFiles::from_dir(&dir, None).unwrap()).unwrap();
+            let Engine::Seq2Seq(cut) = &model.engine else {
+                panic!("{name} is not an encoder-decoder");
+            };
+            assert!(cut.plan(1, false).unwrap().head.is_some(), "{name}");
+            let mut plans = HashMap::new();
+            for rows in [1, 2] {
+                for first in [true, false] {
+                    let template = if first { &cut.first } else { &cut.with_past };
+                    let whole = compile(
+                        template.parse().unwrap(),
+                        &cut.signature,
+                        rows,
+                        |_, _, _| None,
+                    );
+                    plans.insert((rows, first as u8), Arc::new(whole.unwrap()));
+                }
+            }
+            let whole = Arc::new(Seq2Seq {
+                signature: cut.signature.clone(),
+                encoder: cut.encoder.clone(),
+                encoder_features: cut.encoder_features,
+                first: cut.first.clone(),
+                with_past: cut.with_past.clone(),
+                plans: Mutex::new(plans),
+                encoder_plans: Mutex::new(HashMap::new()),
+                head: OnceLock::new(),
+                vocab: cut.vocab,
+                streams: Default::default(),
+            });
+            assert!(whole.plan(1, false).unwrap().head.is_none());
+            let vocab = cut.vocab;
+            for rows in [1, 2] {
+                let rows_of: Vec<usize> = (0..rows).collect();
+                let steps: Vec<Vec<Vec<u32>>> = vec![
+                    vec![vec![0, 5, 9], vec![0, 4, 8]][..rows].to_vec(),
+                    vec![vec![7], vec![6]][..rows].to_vec(),
+                    vec![vec![3], vec![11]][..rows].to_vec(),
+                ];
+                let mut a = whole.start(&input, &rows_of).unwrap();
+                let mut b = cut.start(&input, &rows_of).unwrap();
+                let mut c = cut.start(&input, &rows_of).unwrap();
+                c.bound_logits(true);
+                for (s, step) in steps.iter().enumerate() {
+                    let tokens: Vec<&[u32]> = step.iter().map(|t| t.as_slice()).collect();
+                    let exact = a.step(&tokens).unwrap();
+                    assert!(exact.bounds.is_none());
+                    let b = b.step(&tokens).unwrap();
+                    assert!(b.bounds.is_none(), "{name}: bounds without asking");
+                    assert_eq!(
+                        bits(&exact.data),
+                        bits(&b.data),
+                        "{name}, {rows} rows, step {s}"
+                    );
+                    let mut c = c.step(&tokens).unwrap();
+                    // Bounds only for a decoding step of one row.
+                    assert_eq!(c.is_bounded(0), rows == 1 && s > 0, "{name}, step {s}");
+                    for (j, (&e, &u)) in exact.data.iter().zip(&c.data).enumerate() {
+                        assert!(
+                            e <= u,
+                            "{name}, step {s}: logit {j} {e} above its bound {u}"
+                        );
+                    }
+                    if c.is_bounded(0) {
+                        let some = [0, 3, vocab as u32 - 1];
+                        c.make_exact(0, &some).unwrap();
+                        for j in some {
+                            let (e, v) = (exact.data[j as usize], c.data[j as usize]);
+                            assert_eq!(e.to_bits(), v.to_bits(), "{name}: logit {j}");
+                        }
+                        c.make_row_exact(0).unwrap();
+                        assert!(!c.is_bounded(0));
+                    }
+                    assert_eq!(bits(&exact.data), bits(&c.data), "{name}, step {s}");
+                }
+            }
+        }
     }
 }

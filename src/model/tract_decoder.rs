@@ -239,15 +239,7 @@ impl Inner {
             _ => &self.template,
         };
         let width = self.embed.as_ref().map(|e| e.hidden);
-        // Every plan of a decoder has the same `lm_head`; the first one compiled keeps it.
-        let head_of = |op: Weights, weight: Arc<Tensor>, dt: DatumType| match self.head.get() {
-            Some(h) if h.is_for(&op, &weight) => Some(h.clone()),
-            Some(_) => LmHead::new(op, weight, dt).map(Arc::new),
-            None => {
-                let h = Arc::new(LmHead::new(op, weight, dt)?);
-                Some(self.head.get_or_init(|| h).clone())
-            }
-        };
+        let head_of = |op, weight, dt| shared_head(&self.head, op, weight, dt);
         let plan = Arc::new(compile(template, &self.sig, batch, width, head_of)?);
         plans.insert((batch, first), plan.clone());
         Ok(plan)
@@ -636,9 +628,28 @@ fn compile(
     })
 }
 
+/// The `lm_head` of a plan whose graph ends with `op` of `weight` (`cut_lm_head`): every plan of
+/// a decoder has the same, and the first one compiled keeps it in `cell` (its int8 copy is then
+/// made once).
+pub(crate) fn shared_head(
+    cell: &OnceLock<Arc<LmHead>>,
+    op: Weights,
+    weight: Arc<Tensor>,
+    dt: DatumType,
+) -> Option<Arc<LmHead>> {
+    match cell.get() {
+        Some(h) if h.is_for(&op, &weight) => Some(h.clone()),
+        Some(_) => LmHead::new(op, weight, dt).map(Arc::new),
+        None => {
+            let h = Arc::new(LmHead::new(op, weight, dt)?);
+            Some(cell.get_or_init(|| h).clone())
+        }
+    }
+}
+
 /// When the logits output is a `MatMulWeights` of a constant weight that `LmHead` can compute
 /// one logit at a time, the output becomes that op's input (the plan then leaves the op out),
-/// and the engine computes the logits (`TractState::logits`).
+/// and the engine computes the logits (`head_logits`).
 fn cut_lm_head(
     typed: &mut TypedModel,
     logits: usize,
@@ -700,6 +711,19 @@ pub(crate) fn runnable(model: InferenceModel) -> TractResult<Arc<TypedRunnableMo
     let mut typed = optimize(model)?;
     crate::model::ops::attention::fuse(&mut typed)?;
     typed.into_runnable()
+}
+
+/// [`runnable`], with the `lm_head` of output `logits` left out of the plan when `head_of`
+/// gives one (`cut_lm_head`).
+pub(crate) fn runnable_without_head(
+    model: InferenceModel,
+    logits: usize,
+    head_of: impl FnOnce(Weights, Arc<Tensor>, DatumType) -> Option<Arc<LmHead>>,
+) -> TractResult<(Arc<TypedRunnableModel>, Option<Arc<LmHead>>)> {
+    let mut typed = optimize(model)?;
+    crate::model::ops::attention::fuse(&mut typed)?;
+    let head = cut_lm_head(&mut typed, logits, head_of)?;
+    Ok((typed.into_runnable()?, head))
 }
 
 /// The names of a graph's outputs, in order.
@@ -1008,52 +1032,10 @@ impl TractState {
 }
 
 impl TractState {
-    /// The logits of each row's last new token from the plan's output `out`: the logits
-    /// themselves, or the hidden state when the engine computes the `lm_head` (`Plan::head`),
-    /// with the op's values. A decoding step of one row in greedy decoding (`bounded`) gets
-    /// upper bounds of its logits when they exist (`LmHead::bounds`).
+    /// [`head_logits`] of the plan's output `out`.
     fn logits(&self, plan: &Plan, out: &Tensor, counts: &[usize]) -> Result<Logits> {
         let vocab = self.decoder.vocab;
-        let Some(head) = &plan.head else {
-            return last_logits(out, counts, vocab);
-        };
-        if head.vocab() != vocab {
-            return Err(Error::Model(format!(
-                "the logits are {} wide; expected {vocab}",
-                head.vocab()
-            )));
-        }
-        let hidden = f32_values(out)?;
-        let k = head.hidden_width();
-        let shape = out.shape();
-        let all_rows = hidden.len() / k.max(1);
-        if shape.len() != 3 || hidden.len() != all_rows * k {
-            return Err(Error::Backend(format!(
-                "the lm_head's input has shape {shape:?}; expected [batch, sequence, {k}]"
-            )));
-        }
-        if self.bounded && all_rows == 1 && counts == [1] {
-            let mut data = vec![0f32; vocab];
-            if head.bounds(&hidden, &mut data)? {
-                let row = BoundRow {
-                    hidden: hidden.to_vec(),
-                    exact: vec![],
-                };
-                return Ok(Logits {
-                    rows: 1,
-                    vocab,
-                    data,
-                    bounds: Some(Bounds {
-                        head: head.clone(),
-                        rows: vec![Some(row)],
-                    }),
-                });
-            }
-        }
-        // The op's product over all its rows, as the plan would have run it.
-        let mut all = vec![0f32; all_rows * vocab];
-        head.full(&hidden, all_rows, &mut all)?;
-        last_rows(&all, shape[0], shape[1], vocab, counts)
+        head_logits(plan.head.as_ref(), self.bounded, out, counts, vocab)
     }
 
     /// The embeddings of a step's ids, `[rows, seq, hidden]`: the embeddings model's, with the
@@ -1103,9 +1085,62 @@ pub(crate) fn int_tensor(values: &[i64], shape: &[usize], dt: DatumType) -> Resu
     }
 }
 
+/// The logits of each row's last new token from a plan's output `out`: the logits themselves,
+/// or the hidden state when the engine computes the `lm_head` (`head`, `cut_lm_head`), with the
+/// op's values. A decoding step of one row in greedy decoding (`bounded`) gets upper bounds of
+/// its logits when they exist (`LmHead::bounds`).
+pub(crate) fn head_logits(
+    head: Option<&Arc<LmHead>>,
+    bounded: bool,
+    out: &Tensor,
+    counts: &[usize],
+    vocab: usize,
+) -> Result<Logits> {
+    let Some(head) = head else {
+        return last_logits(out, counts, vocab);
+    };
+    if head.vocab() != vocab {
+        return Err(Error::Model(format!(
+            "the logits are {} wide; expected {vocab}",
+            head.vocab()
+        )));
+    }
+    let hidden = f32_values(out)?;
+    let k = head.hidden_width();
+    let shape = out.shape();
+    let all_rows = hidden.len() / k.max(1);
+    if shape.len() != 3 || hidden.len() != all_rows * k {
+        return Err(Error::Backend(format!(
+            "the lm_head's input has shape {shape:?}; expected [batch, sequence, {k}]"
+        )));
+    }
+    if bounded && all_rows == 1 && counts == [1] {
+        let mut data = vec![0f32; vocab];
+        if head.bounds(&hidden, &mut data)? {
+            let row = BoundRow {
+                hidden: hidden.to_vec(),
+                exact: vec![],
+            };
+            return Ok(Logits {
+                rows: 1,
+                vocab,
+                data,
+                bounds: Some(Bounds {
+                    head: head.clone(),
+                    rows: vec![Some(row)],
+                }),
+            });
+        }
+    }
+    // The op's product over all its rows, as the plan would have run it.
+    let mut all = vec![0f32; all_rows * vocab];
+    head.full(&hidden, all_rows, &mut all)?;
+    last_rows(&all, shape[0], shape[1], vocab, counts)
+}
+
 /// The logits of position `counts[r] - 1` of each row of `[rows, seq, vocab]` (position 0
 /// when the graph computed only each row's last position: `[rows, 1, vocab]`).
-pub(crate) fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Result<Logits> {
+fn last_logits(logits: &Tensor, counts: &[usize], vocab: usize) -> Result<Logits> {
     let shape = logits.shape();
     let (rows, seq, width) = match shape {
         &[r, s, v] => (r, s, v),
