@@ -1,5 +1,6 @@
-//! The `lm_head` of a decoder computed outside tract's plan (`tract_decoder`), so that greedy
-//! decoding can read a quarter of its bytes.
+//! The `lm_head` of a decoder computed outside tract's plan (`tract_decoder`; the decoders of
+//! encoder-decoder models too, `seq2seq`), so that greedy decoding can read a quarter of its
+//! bytes.
 //!
 //! The full logits are the plan's own values (`matmul_weights::product`). For greedy decoding
 //! an int8 copy of the weight, one scale per row, gives an upper bound of every logit: the

@@ -744,6 +744,7 @@ impl DecoderState for Seq2SeqState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::tract_decoder::check_head_outside;
     use crate::model::{Engine, Model, ModelFiles};
 
     /// The `lm_head` computed outside the decoder plans (`Plan::head`) gives the plans' own
@@ -753,7 +754,6 @@ mod tests {
     /// logits, which become them exactly.
     #[test]
     fn lm_head_outside_the_plans_gives_their_logits() {
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let mel: Vec<f32> = (0..80 * 3000)
             .map(|i| (i % 89) as f32 / 89.0 - 0.5)
             .collect();
@@ -813,42 +813,9 @@ mod tests {
                     vec![vec![7], vec![6]][..rows].to_vec(),
                     vec![vec![3], vec![11]][..rows].to_vec(),
                 ];
-                let mut a = whole.start(&input, &rows_of).unwrap();
-                let mut b = cut.start(&input, &rows_of).unwrap();
-                let mut c = cut.start(&input, &rows_of).unwrap();
-                c.bound_logits(true);
-                for (s, step) in steps.iter().enumerate() {
-                    let tokens: Vec<&[u32]> = step.iter().map(|t| t.as_slice()).collect();
-                    let exact = a.step(&tokens).unwrap();
-                    assert!(exact.bounds.is_none());
-                    let b = b.step(&tokens).unwrap();
-                    assert!(b.bounds.is_none(), "{name}: bounds without asking");
-                    assert_eq!(
-                        bits(&exact.data),
-                        bits(&b.data),
-                        "{name}, {rows} rows, step {s}"
-                    );
-                    let mut c = c.step(&tokens).unwrap();
-                    // Bounds only for a decoding step of one row.
-                    assert_eq!(c.is_bounded(0), rows == 1 && s > 0, "{name}, step {s}");
-                    for (j, (&e, &u)) in exact.data.iter().zip(&c.data).enumerate() {
-                        assert!(
-                            e <= u,
-                            "{name}, step {s}: logit {j} {e} above its bound {u}"
-                        );
-                    }
-                    if c.is_bounded(0) {
-                        let some = [0, 3, vocab as u32 - 1];
-                        c.make_exact(0, &some).unwrap();
-                        for j in some {
-                            let (e, v) = (exact.data[j as usize], c.data[j as usize]);
-                            assert_eq!(e.to_bits(), v.to_bits(), "{name}: logit {j}");
-                        }
-                        c.make_row_exact(0).unwrap();
-                        assert!(!c.is_bounded(0));
-                    }
-                    assert_eq!(bits(&exact.data), bits(&c.data), "{name}, step {s}");
-                }
+                let whole = whole.start(&input, &rows_of).unwrap();
+                let (a, b) = (cut.start(&input, &rows_of), cut.start(&input, &rows_of));
+                check_head_outside(name, vocab, &steps, whole, a.unwrap(), b.unwrap());
             }
         }
     }

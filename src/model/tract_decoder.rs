@@ -1184,6 +1184,59 @@ fn last_rows(
     Ok(Logits::exact(rows, vocab, data))
 }
 
+/// `steps` (each row's tokens per step) through three states of one model: `whole`, whose
+/// plans compute the `lm_head`, and `cut` and `bounded`, whose plans leave it out (`Plan::head`;
+/// `bounded` in greedy decoding). `cut` gives `whole`'s logits bit for bit; `bounded` gives upper
+/// bounds of them for a decoding step of one row, which become them exactly (some logits, then
+/// the row), and their bits otherwise.
+#[cfg(test)]
+pub(crate) fn check_head_outside(
+    name: &str,
+    vocab: usize,
+    steps: &[Vec<Vec<u32>>],
+    mut whole: Box<dyn DecoderState>,
+    mut cut: Box<dyn DecoderState>,
+    mut bounded: Box<dyn DecoderState>,
+) {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    bounded.bound_logits(true);
+    for (s, step) in steps.iter().enumerate() {
+        let rows = step.len();
+        let tokens: Vec<&[u32]> = step.iter().map(|t| t.as_slice()).collect();
+        let exact = whole.step(&tokens).unwrap();
+        assert!(exact.bounds.is_none());
+        let b = cut.step(&tokens).unwrap();
+        assert!(b.bounds.is_none(), "{name}: bounds without asking");
+        assert_eq!(
+            bits(&exact.data),
+            bits(&b.data),
+            "{name}, {rows} rows, step {s}"
+        );
+        let mut c = bounded.step(&tokens).unwrap();
+        // Bounds only for a decoding step of one row.
+        assert_eq!(c.is_bounded(0), rows == 1 && s > 0, "{name}, step {s}");
+        for (j, (&e, &u)) in exact.data.iter().zip(&c.data).enumerate() {
+            assert!(
+                e <= u,
+                "{name}, step {s}: logit {j} {e} above its bound {u}"
+            );
+        }
+        if c.is_bounded(0) {
+            let some = [0, 3, vocab as u32 - 1];
+            c.make_exact(0, &some).unwrap();
+            for j in some {
+                assert!(c.is_exact(0, j));
+                let (e, v) = (exact.data[j as usize], c.data[j as usize]);
+                assert_eq!(e.to_bits(), v.to_bits(), "{name}: logit {j}");
+            }
+            assert!(!c.is_exact(0, 1));
+            c.make_row_exact(0).unwrap();
+            assert!(!c.is_bounded(0) && c.is_exact(0, 1));
+        }
+        assert_eq!(bits(&exact.data), bits(&c.data), "{name}, step {s}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1299,7 +1352,6 @@ mod tests {
     /// step of one row gives upper bounds of those logits, which become them exactly.
     #[test]
     fn lm_head_outside_the_plan_gives_the_plan_logits() {
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for name in ["gpt2", "gpt2-merged", "llama", "llama-genai"] {
             let (files, config) = fixture(name);
             let external = files.external_data.as_deref();
@@ -1330,44 +1382,9 @@ mod tests {
                     vec![vec![7], vec![6]][..rows].to_vec(),
                     vec![vec![3], vec![11]][..rows].to_vec(),
                 ];
-                let mut a = whole.start(rows, 16).unwrap();
-                let mut b = cut.start(rows, 16).unwrap();
-                let mut c = cut.start(rows, 16).unwrap();
-                c.bound_logits(true);
-                for (s, step) in steps.iter().enumerate() {
-                    let tokens: Vec<&[u32]> = step.iter().map(|t| t.as_slice()).collect();
-                    let exact = a.step(&tokens).unwrap();
-                    assert!(exact.bounds.is_none());
-                    let b = b.step(&tokens).unwrap();
-                    assert!(b.bounds.is_none(), "{name}: bounds without asking");
-                    assert_eq!(
-                        bits(&exact.data),
-                        bits(&b.data),
-                        "{name}, {rows} rows, step {s}"
-                    );
-                    let mut c = c.step(&tokens).unwrap();
-                    // Bounds only for a decoding step of one row.
-                    assert_eq!(c.is_bounded(0), rows == 1 && s > 0, "{name}, step {s}");
-                    for (j, (&e, &u)) in exact.data.iter().zip(&c.data).enumerate() {
-                        assert!(
-                            e <= u,
-                            "{name}, step {s}: logit {j} {e} above its bound {u}"
-                        );
-                    }
-                    if c.is_bounded(0) {
-                        let some = [0, 3, vocab as u32 - 1];
-                        c.make_exact(0, &some).unwrap();
-                        for j in some {
-                            assert!(c.is_exact(0, j));
-                            let (e, v) = (exact.data[j as usize], c.data[j as usize]);
-                            assert_eq!(e.to_bits(), v.to_bits(), "{name}: logit {j}");
-                        }
-                        assert!(!c.is_exact(0, 1));
-                        c.make_row_exact(0).unwrap();
-                        assert!(!c.is_bounded(0) && c.is_exact(0, 1));
-                    }
-                    assert_eq!(bits(&exact.data), bits(&c.data), "{name}, step {s}");
-                }
+                let whole = whole.start(rows, 16).unwrap();
+                let (cut, bounded) = (cut.start(rows, 16).unwrap(), cut.start(rows, 16).unwrap());
+                check_head_outside(name, vocab, &steps, whole, cut, bounded);
             }
         }
     }
