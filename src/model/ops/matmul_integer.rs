@@ -832,69 +832,88 @@ mod kernels {
     /// time; 295 KB in cache 7.0 us against 9.5 widened.
     fn matvec_blocks<const SIGNED: bool>(a: &[i16], w: &[u8], k: usize, out: &mut [i32]) {
         assert!(a.len() == k && w.len() == k * out.len() && k.is_multiple_of(4));
-        // What the flipped bytes (`flipped`) move each column's sum by: 128 times the row's
-        // sum, taken from the even columns of signed weights, added to the odd ones of
-        // unsigned weights (wrapping, as every sum here).
-        let moved = a.iter().fold(0i32, |s, &v| s.wrapping_add(v as i32)) << 7;
-        let fix = if SIGNED {
-            i32x4(moved.wrapping_neg(), 0, moved.wrapping_neg(), 0)
-        } else {
-            i32x4(0, moved, 0, moved)
-        };
+        let fix = [fix::<SIGNED>(moved(a))];
         // N is a multiple of 16 (`fits_blocks`, and `parallel`'s ranges): the blocks come in
         // fours, and the rest is there for any count.
         let (groups, rest) = side_by_side::<STREAMS>(out.len() / 4);
         for bs in groups {
-            blocks_dot::<STREAMS>(a, w, k, bs, fix, out);
+            blocks_dot::<1, STREAMS>(a, w, k, bs, fix, out, 0);
         }
         for b in rest {
-            blocks_dot::<1>(a, w, k, [b], fix, out);
+            blocks_dot::<1, 1>(a, w, k, [b], fix, out, 0);
         }
     }
 
-    /// The four sums of each of the blocks `blocks` (one row of `a`) into `out`, `fix` added.
+    /// What the flipped bytes (`flipped`) move each column's sum by for the row `a`: 128 times
+    /// the row's sum (wrapping, as every sum here).
+    fn moved(a: &[i16]) -> i32 {
+        a.iter().fold(0i32, |s, &v| s.wrapping_add(v as i32)) << 7
+    }
+
+    /// `moved` (of a row) taken from the even columns' sums of a block of signed weights, added
+    /// to the odd ones of unsigned weights.
+    #[inline(always)]
+    fn fix<const SIGNED: bool>(moved: i32) -> v128 {
+        if SIGNED {
+            i32x4(moved.wrapping_neg(), 0, moved.wrapping_neg(), 0)
+        } else {
+            i32x4(0, moved, 0, moved)
+        }
+    }
+
+    /// The four sums of each of the blocks `blocks` for `M` rows of `a` (`k` values each) into
+    /// `out` (row `m` from `m * n`: the sums of block `b` at `4 b..4 b + 4`), `fix[m]` added.
     ///
     /// A quad's sixteen bytes read as eight i16 are `e + 256 o` for the pairs of an even
     /// column's unsigned byte `e` and an odd column's signed byte `o` (`Layout::Blocks`), and
     /// their arithmetic shift right by 8 is `o`: `i32x4.dot_i16x8_s` of each with the row's
     /// four values gives `E + 256 O` and `O` for the two columns' halves, and `E` is the first
     /// less 256 times the second (in wrapping i32 arithmetic, as every sum here): one shift
-    /// per sixteen weights, where widening their bytes to i16 took three operations.
+    /// per sixteen weights, where widening their bytes to i16 took three operations, and done
+    /// once for the `M` rows.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn blocks_dot<const S: usize>(
+    fn blocks_dot<const M: usize, const S: usize>(
         a: &[i16],
         w: &[u8],
         k: usize,
         blocks: [usize; S],
-        fix: v128,
+        fix: [v128; M],
         out: &mut [i32],
+        n: usize,
     ) {
-        let mut acc = [[i32x4_splat(0); 2]; S];
+        assert!(a.len() >= M * k && k.is_multiple_of(4));
+        let mut acc = [[[i32x4_splat(0); 2]; S]; M];
         let p = blocks.map(|b| w[4 * k * b..4 * k * (b + 1)].as_ptr());
         // SAFETY: block b is bytes 4 k b..4 k (b + 1) of w (sliced above), quad q its bytes
-        // 16 q..16 q + 16 (q < k / 4), and a[4q..4q + 4] within a (`matvec_blocks` asserts
-        // a.len() == k); loads are unaligned.
+        // 16 q..16 q + 16 (q < k / 4), and a[m k + 4q..m k + 4q + 4] within a (m < M,
+        // asserted); loads are unaligned.
         unsafe {
             for q in 0..k / 4 {
-                let x = v128_load64_splat(a.as_ptr().add(4 * q) as *const u64);
-                for (acc, p) in acc.iter_mut().zip(&p) {
-                    let v = v128_load(p.add(16 * q) as *const v128);
-                    acc[0] = i32x4_add(acc[0], i32x4_dot_i16x8(v, x));
-                    acc[1] = i32x4_add(acc[1], i32x4_dot_i16x8(i16x8_shr(v, 8), x));
+                let v = p.map(|p| v128_load(p.add(16 * q) as *const v128));
+                let odd = v.map(|v| i16x8_shr(v, 8));
+                for (m, acc) in acc.iter_mut().enumerate() {
+                    let x = v128_load64_splat(a.as_ptr().add(m * k + 4 * q) as *const u64);
+                    for (acc, (&v, &odd)) in acc.iter_mut().zip(v.iter().zip(&odd)) {
+                        acc[0] = i32x4_add(acc[0], i32x4_dot_i16x8(v, x));
+                        acc[1] = i32x4_add(acc[1], i32x4_dot_i16x8(odd, x));
+                    }
                 }
             }
         }
-        for ([both, odd], b) in acc.into_iter().zip(blocks) {
-            // Lanes 0 and 1 of `even` hold column 0's two halves, lanes 2 and 3 column 2's;
-            // `odd` those of columns 1 and 3.
-            let even = i32x4_sub(both, i32x4_shl(odd, 8));
-            let sums = i32x4_add(
-                i32x4_shuffle::<0, 4, 2, 6>(even, odd),
-                i32x4_shuffle::<1, 5, 3, 7>(even, odd),
-            );
-            let o = &mut out[4 * b..4 * b + 4];
-            // SAFETY: o holds 4 values.
-            unsafe { v128_store(o.as_mut_ptr() as *mut v128, i32x4_add(sums, fix)) };
+        for (m, (acc, fix)) in acc.into_iter().zip(fix).enumerate() {
+            for ([both, odd], b) in acc.into_iter().zip(blocks) {
+                // Lanes 0 and 1 of `even` hold column 0's two halves, lanes 2 and 3 column
+                // 2's; `odd` those of columns 1 and 3.
+                let even = i32x4_sub(both, i32x4_shl(odd, 8));
+                let sums = i32x4_add(
+                    i32x4_shuffle::<0, 4, 2, 6>(even, odd),
+                    i32x4_shuffle::<1, 5, 3, 7>(even, odd),
+                );
+                let o = &mut out[m * n + 4 * b..m * n + 4 * b + 4];
+                // SAFETY: o holds 4 values.
+                unsafe { v128_store(o.as_mut_ptr() as *mut v128, i32x4_add(sums, fix)) };
+            }
         }
     }
 
@@ -979,59 +998,51 @@ mod kernels {
         super::portable::<SIGNED>(a, rows, w, k, stride, n, 0..k, blocks * 16..n, out);
     }
 
-    /// Rows of `a`, `w` in blocks (the `out.len() / rows` columns of `out`): as [`rows`],
-    /// sixteen columns (four blocks) at a time, each block's quads (sixteen bytes: four
-    /// columns' four weights) shuffled into the pairs of rows `4q, 4q + 1` and `4q + 2, 4q + 3`
-    /// of its four columns and widened.
+    /// Rows of `a` the prompt kernel over blocks takes a pass (`blocks_dot`): their eight sums,
+    /// a block's quad, its shifted copy and a row's four values stay in V8's registers, which
+    /// six rows (twelve sums) did not. In a wasm benchmark of SmolLM2's 106 M int8 weights in
+    /// blocks (Node 20, the 2-core EPYC, 16 to 100 rows) 37-40 G products/s, against 24-28 for
+    /// the blocks widened to i16 pairs and `passes` of six rows, widening included.
+    const BLOCK_ROWS: usize = 4;
+
+    /// Rows of `a`, `w` in blocks (the `out.len() / rows` columns of `out`): `BLOCK_ROWS` rows
+    /// at a time over each block of four columns, read as they lie (`blocks_dot`), sixteen
+    /// columns (four blocks) at a time so that the last rows (fewer than `BLOCK_ROWS`) share
+    /// each quad over several blocks.
     pub fn blocks<const SIGNED: bool>(a: &[i16], rows: usize, w: &[u8], k: usize, out: &mut [i32]) {
         let n = out.len() / rows.max(1);
         assert!(a.len() == rows * k && w.len() == k * n && super::fits_blocks(k, n));
         if rows == 1 {
             return matvec_blocks::<SIGNED>(a, w, k, out);
         }
-        let pairs_k = k / 2;
-        let pairs = pairs_of(a, rows, k);
-        // Sixteen columns (four blocks) at a time, as `rows` takes its blocks of sixteen.
-        let sixteens = n / 16;
-        let mut wide = vec![i32x4_splat(0); 4 * pairs_k * GROUP];
-        for first in (0..sixteens).step_by(GROUP) {
-            let count = GROUP.min(sixteens - first);
-            for g in 0..count {
-                // Sixteen columns' two halves in `wide` (`wide_index`): quad q's pairs of rows
-                // 2q and 2q + 1 are vectors 4q..4q + 4 of each, columns 0..8 in the first.
-                let four = &w[16 * k * (first + g)..16 * k * (first + g + 1)];
-                let (low, high) =
-                    wide[4 * g * pairs_k..4 * (g + 1) * pairs_k].split_at_mut(2 * pairs_k);
-                let halves = low.chunks_exact_mut(4).zip(high.chunks_exact_mut(4));
-                for (q, (low, high)) in halves.enumerate() {
-                    let [e0, o0, e1, o1, e2, o2, e3, o3] = quad_pairs::<SIGNED>(four, k, q);
-                    low.copy_from_slice(&[e0, e1, o0, o1]);
-                    high.copy_from_slice(&[e2, e3, o2, o3]);
+        let fixes: Vec<i32> = (0..rows).map(|r| moved(&a[r * k..(r + 1) * k])).collect();
+        let fix = |r: usize| fix::<SIGNED>(fixes[r]);
+        let full = rows - rows % BLOCK_ROWS;
+        for g in (0..n / 4).step_by(4) {
+            for b in g..g + 4 {
+                for r in (0..full).step_by(BLOCK_ROWS) {
+                    let fix = std::array::from_fn(|m| fix(r + m));
+                    let (a, out) = (&a[r * k..], &mut out[r * n..]);
+                    blocks_dot::<BLOCK_ROWS, 1>(a, w, k, [b], fix, out, n);
                 }
             }
-            passes(&wide, &pairs, pairs_k, rows, first, count, n, out);
+            let (a, out) = (&a[full * k..], &mut out[full * n..]);
+            match rows - full {
+                1 => blocks_dot::<1, 4>(a, w, k, [g, g + 1, g + 2, g + 3], [fix(full)], out, n),
+                2 => {
+                    let fix = [fix(full), fix(full + 1)];
+                    blocks_dot::<2, 2>(a, w, k, [g, g + 1], fix, out, n);
+                    blocks_dot::<2, 2>(a, w, k, [g + 2, g + 3], fix, out, n);
+                }
+                3 => {
+                    let fix = [fix(full), fix(full + 1), fix(full + 2)];
+                    for b in g..g + 4 {
+                        blocks_dot::<3, 1>(a, w, k, [b], fix, out, n);
+                    }
+                }
+                _ => {}
+            }
         }
-    }
-
-    /// Quad `q` of four blocks (`four`, `4 k` bytes each) as the i16 pairs of its rows
-    /// `4q, 4q + 1` (`even`) and `4q + 2, 4q + 3` (`odd`) for block j's columns:
-    /// `[even 0, odd 0, even 1, odd 1, ..]`. The flipped bytes (`flipped`: the even columns'
-    /// of signed weights, the odd columns' of unsigned ones) are flipped back first.
-    #[inline(always)]
-    fn quad_pairs<const SIGNED: bool>(four: &[u8], k: usize, q: usize) -> [v128; 8] {
-        assert!(four.len() == 16 * k && q < k / 4);
-        let flip = u16x8_splat(if SIGNED { 0x0080 } else { 0x8000 });
-        let mut out = [i32x4_splat(0); 8];
-        for j in 0..4 {
-            // SAFETY: bytes 16q..16q + 16 of block j, within `four` (asserted); v128_load is
-            // unaligned.
-            let v = unsafe { v128_load(four.as_ptr().add(4 * k * j + 16 * q) as *const v128) };
-            let v = v128_xor(v, flip);
-            // Column c's row i at `block_byte`: 8 (c / 2) + 2 i + c % 2 of these sixteen.
-            let v = i8x16_shuffle::<0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15>(v, v);
-            (out[2 * j], out[2 * j + 1]) = widen::<SIGNED>(v);
-        }
-        out
     }
 
     /// The products of `count` widened blocks (`wide`, from block `first`) with every row of
