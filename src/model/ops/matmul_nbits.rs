@@ -518,6 +518,12 @@ fn matmul_in_parts(
     Ok(())
 }
 
+/// Rows of a prompt the kernel in lanes takes at once (`kernels::q4_lanes_i16`): each vector
+/// of the pass and its three shifts serve both rows, whose eight sums stay in registers. q4
+/// SmolLM2's later prompts of 37 tokens in Node took 155-166 ms against 177-189 one row at a
+/// time; three or four rows (twelve or sixteen sums) 172-197.
+const LANE_ROWS: usize = 2;
+
 /// Columns grouped by the prompt kernel (`dot4`); split points fall on multiples of it (of
 /// [`PASS`] in lanes).
 const COLS: usize = 4;
@@ -540,19 +546,26 @@ impl Params<'_> {
         let width = cols.len();
         if let (true, Some(quantized)) = (self.lanes, self.quantized) {
             // In lanes, pass after pass, one stream, each pass with every row while its weights
-            // are in the cache (`kernels::q4_lanes_i16`).
+            // are in the cache (`kernels::q4_lanes_i16`), `LANE_ROWS` rows at a time.
             let shift = (self.bs / GROUP).trailing_zeros();
             for first in cols.clone().step_by(PASS) {
                 let (pass, scales) = (self.pass(b, first), self.pass_scales(first));
-                for (r, row) in quantized.iter().enumerate() {
-                    let sums = match self.zp {
-                        Zero::Default => kernels::q4_lanes_i16(pass, row, shift, scales, |_, _| 8),
-                        _ => kernels::q4_lanes_i16(pass, row, shift, scales, |c, blk| {
-                            self.zero(first + c, blk) as u8
-                        }),
-                    };
+                let mut put = |r: usize, sums: &[f32; PASS]| {
                     let at = r * width + first - cols.start;
-                    block[at..at + PASS].copy_from_slice(&sums);
+                    block[at..at + PASS].copy_from_slice(sums);
+                };
+                let groups = quantized.chunks_exact(LANE_ROWS);
+                let rest = groups.remainder();
+                for (i, group) in groups.enumerate() {
+                    let rows = std::array::from_fn(|m| &group[m]);
+                    let sums = self.lanes_rows::<LANE_ROWS>(pass, rows, shift, scales, first);
+                    for (m, sums) in sums.iter().enumerate() {
+                        put(LANE_ROWS * i + m, sums);
+                    }
+                }
+                for (m, row) in rest.iter().enumerate() {
+                    let [sums] = self.lanes_rows(pass, [row], shift, scales, first);
+                    put(quantized.len() - rest.len() + m, &sums);
                 }
             }
             return;
@@ -928,6 +941,24 @@ impl Params<'_> {
         }
     }
 
+    /// `kernels::q4_lanes_i16` of the pass from column `first` with `M` rows, this weight's
+    /// zero points.
+    fn lanes_rows<const M: usize>(
+        &self,
+        pass: &[u8],
+        rows: [&QuantizedRow; M],
+        shift: u32,
+        scales: &[f32],
+        first: usize,
+    ) -> [[f32; PASS]; M] {
+        match self.zp {
+            Zero::Default => kernels::q4_lanes_i16(pass, rows, shift, scales, |_, _| 8),
+            _ => kernels::q4_lanes_i16(pass, rows, shift, scales, |c, blk| {
+                self.zero(first + c, blk) as u8
+            }),
+        }
+    }
+
     /// The bytes of the pass in lanes ([`to_lanes`]) that holds column `col`.
     fn pass<'b>(&self, b: &'b [u8], col: usize) -> &'b [u8] {
         let bytes = PASS * self.blocks * self.blob;
@@ -1137,9 +1168,20 @@ mod kernels {
     }
 
     /// [`q4_columns4_i16`] of a pass of sixteen columns in lanes (`super::to_lanes`; its
-    /// scales `[blocks, 16]`, the row in its own order): the same integer sums, f32 operations
-    /// and order, so the same bits.
-    pub fn q4_lanes_i16(
+    /// scales `[blocks, 16]`, the rows in their own order) for each of `rows`: the same integer
+    /// sums, f32 operations and order, so the same bits.
+    pub fn q4_lanes_i16<const M: usize>(
+        pass: &[u8],
+        rows: [&super::QuantizedRow; M],
+        shift: u32,
+        scales: &[f32],
+        zero: impl Fn(usize, usize) -> u8,
+    ) -> [[f32; PASS]; M] {
+        rows.map(|row| q4_lanes_row(pass, row, shift, scales, &zero))
+    }
+
+    /// [`q4_lanes_i16`] of one row.
+    fn q4_lanes_row(
         pass: &[u8],
         row: &super::QuantizedRow,
         shift: u32,
@@ -1707,65 +1749,75 @@ mod kernels {
     /// of 32 values of four columns about 60 operations, where four columns in each lane (the
     /// sums across lanes) took 72 and `q4_columns4_i16` 87: one row times q4 SmolLM2's weights
     /// in 4.15-4.5 ms against 5.4-5.55 (a wasm test, Node 20; no volatile store, which made it
-    /// 4.4-4.6 after every vector or every second or fourth). The same integer sums, f32
-    /// operations and order as the portable kernel, so the same bits.
-    pub fn q4_lanes_i16(
+    /// 4.4-4.6 after every vector or every second or fourth). `M` rows at once (a prompt's,
+    /// `LANE_ROWS`) share each vector and its shifts. The same integer sums, f32 operations and
+    /// order as the portable kernel, so the same bits.
+    pub fn q4_lanes_i16<const M: usize>(
         pass: &[u8],
-        row: &super::QuantizedRow,
+        rows: [&super::QuantizedRow; M],
         shift: u32,
         scales: &[f32],
         zero: impl Fn(usize, usize) -> u8,
-    ) -> [f32; PASS] {
+    ) -> [[f32; PASS]; M] {
         let groups = pass.len() / (PASS * GROUP / 2);
         assert!(
-            groups * GROUP <= row.q.len()
+            rows.iter().all(|row| groups * GROUP <= row.q.len()
                 && groups <= row.sums.len()
-                && groups <= row.scales.len()
+                && groups <= row.scales.len())
                 && (groups == 0 || (((groups - 1) >> shift) + 1) * PASS <= scales.len()),
             "q4_lanes_i16: {groups} groups"
         );
         let w = pass.as_ptr() as *const v128;
-        // The row's pairs of values, one u32 each.
-        let xp = row.q.as_ptr() as *const u32;
+        // The rows' pairs of values, one u32 each.
+        let xp = rows.map(|row| row.q.as_ptr() as *const u32);
         let sp = scales.as_ptr() as *const v128;
-        // Columns 4s..4s + 4 in total[s].
-        let mut total = [f32x4_splat(0.0); 4];
+        // Row m's columns 4s..4s + 4 in total[m][s].
+        let mut total = [[f32x4_splat(0.0); 4]; M];
         for g in 0..groups {
             let blk = g >> shift;
-            // SAFETY: vectors 16g..16g + 16 of the pass, pairs 16g..16g + 16 of the row, the
-            // row's sums and scales at g, and the block's sixteen scales, all within the
+            // SAFETY: vectors 16g..16g + 16 of the pass, pairs 16g..16g + 16 of each row, the
+            // rows' sums and scales at g, and the block's sixteen scales, all within the
             // asserted lengths; v128 loads are unaligned.
             unsafe {
-                let mut acc = [i32x4_splat(0); 4];
+                let mut acc = [[i32x4_splat(0); 4]; M];
                 for b in 16 * g..16 * (g + 1) {
                     let v = v128_load(w.add(b));
-                    let x = v128_load32_splat(xp.add(b));
-                    acc[0] = i32x4_add(acc[0], i32x4_dot_i16x8(v, x));
-                    acc[1] = i32x4_add(acc[1], i32x4_dot_i16x8(i16x8_shr(v, 4), x));
-                    acc[2] = i32x4_add(acc[2], i32x4_dot_i16x8(i16x8_shr(v, 8), x));
-                    acc[3] = i32x4_add(acc[3], i32x4_dot_i16x8(i16x8_shr(v, 12), x));
+                    let shifted = [v, i16x8_shr(v, 4), i16x8_shr(v, 8), i16x8_shr(v, 12)];
+                    for (acc, xp) in acc.iter_mut().zip(&xp) {
+                        let x = v128_load32_splat(xp.add(b));
+                        for (acc, &v) in acc.iter_mut().zip(&shifted) {
+                            *acc = i32x4_add(*acc, i32x4_dot_i16x8(v, x));
+                        }
+                    }
                 }
-                let row_sum = i32x4_splat(*row.sums.get_unchecked(g));
-                let row_scale = f32x4_splat(*row.scales.get_unchecked(g));
                 for s in 0..4 {
-                    // Columns 4s..4s + 4's sums: acc[s] less 16 times acc[s + 1].
-                    let sums = match s {
-                        3 => acc[3],
-                        _ => i32x4_sub(acc[s], i32x4_shl(acc[s + 1], 4)),
-                    };
                     let z = |i: usize| zero(4 * s + i, blk) as i32 - if s == 3 { 8 } else { 0 };
-                    let sums = i32x4_sub(sums, i32x4_mul(i32x4(z(0), z(1), z(2), z(3)), row_sum));
-                    let factor = f32x4_mul(row_scale, v128_load(sp.add(blk * 4 + s)));
-                    total[s] = f32x4_add(total[s], f32x4_mul(f32x4_convert_i32x4(sums), factor));
+                    let zeros = i32x4(z(0), z(1), z(2), z(3));
+                    let block_scales = v128_load(sp.add(blk * 4 + s));
+                    for ((total, acc), row) in total.iter_mut().zip(&acc).zip(rows) {
+                        // Columns 4s..4s + 4's sums: acc[s] less 16 times acc[s + 1].
+                        let sums = match s {
+                            3 => acc[3],
+                            _ => i32x4_sub(acc[s], i32x4_shl(acc[s + 1], 4)),
+                        };
+                        let row_sum = i32x4_splat(*row.sums.get_unchecked(g));
+                        let sums = i32x4_sub(sums, i32x4_mul(zeros, row_sum));
+                        let row_scale = f32x4_splat(*row.scales.get_unchecked(g));
+                        let factor = f32x4_mul(row_scale, block_scales);
+                        total[s] =
+                            f32x4_add(total[s], f32x4_mul(f32x4_convert_i32x4(sums), factor));
+                    }
                 }
             }
         }
-        let mut out = [0f32; PASS];
-        for (four, total) in out.chunks_exact_mut(4).zip(total) {
-            // SAFETY: four values; v128 stores are unaligned.
-            unsafe { v128_store(four.as_mut_ptr() as *mut v128, total) };
-        }
-        out
+        total.map(|total| {
+            let mut out = [0f32; PASS];
+            for (four, total) in out.chunks_exact_mut(4).zip(total) {
+                // SAFETY: four values; v128 stores are unaligned.
+                unsafe { v128_store(four.as_mut_ptr() as *mut v128, total) };
+            }
+            out
+        })
     }
 
     /// Eight columns of a prompt ([`super::Params::q4_prompt`]) into columns `at..at + 8` of
