@@ -740,10 +740,13 @@ fn matmul_panels8_sums_each_output_in_order() {
 /// kernels on the converted weights; row and column tails included, and the rows that
 /// `matvec_f16_nk` reads side by side (`STREAMS`) with rows left over. Without relaxed SIMD
 /// the dot products are the portable kernel's sums bit for bit (eight sums, added in order).
+/// And four rows widened into a panel of f32 (a prompt's), an odd count of quads included.
 #[wasm_bindgen_test]
 fn f16_kernels_match_the_f32_kernels() {
-    use onnx_generate::model::ops::linalg::{axpy_rows, axpy_rows_f16, matvec_f16_nk};
-    for (k, n) in [(7usize, 13usize), (32, 24), (64, 40), (37, 9)] {
+    use onnx_generate::model::ops::linalg::{
+        axpy_rows, axpy_rows_f16, f16_panel_to_f32, matvec_f16_nk, panel_index, PANEL,
+    };
+    for (k, n) in [(7usize, 13usize), (32, 24), (64, 40), (37, 9), (36, 4)] {
         let x: Vec<f32> = (0..k)
             .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
             .collect();
@@ -754,6 +757,16 @@ fn f16_kernels_match_the_f32_kernels() {
             .iter()
             .map(|&h| half::f16::from_bits(h).to_f32())
             .collect();
+        if k.is_multiple_of(4) {
+            let mut panel = vec![0f32; PANEL * k];
+            f16_panel_to_f32(&w[..PANEL * k], k, &mut panel);
+            for j in 0..PANEL {
+                for i in 0..k {
+                    let got = panel[panel_index(j, i, PANEL, k)];
+                    assert_eq!(got, w32[j * k + i], "f16_panel_to_f32 k={k} ({j}, {i})");
+                }
+            }
+        }
         let mut want = vec![0.25f32; n];
         axpy_rows(&x, &w32, n, &mut want);
         let mut got = vec![0.25f32; n];
@@ -792,7 +805,7 @@ fn f16_kernels_match_the_f32_kernels() {
 /// The simd128 int8 kernels of `MatMulInteger` (`model::ops::matmul_integer`) give the exact
 /// integer sums: signed and unsigned weights, K odd or not a multiple of four (the rows the
 /// one-row kernel leaves to the portable one), N not a multiple of 16 (and over 64 columns, the
-/// prompt kernel's group), one row (decoding) to thirteen (a prompt: passes of six rows and
+/// prompt kernel's group), one row (decoding) to thirteen (a prompt: passes of four rows and
 /// every shorter last pass); the weight as it lies and, where the shape fits, in blocks (20
 /// blocks of four columns for N = 80: five groups of four read side by side). The last shape holds the extremes only (`A - a_zero`
 /// of -255 and 255, weight bytes 0x80, 0x7f and 0xff read signed and unsigned): the largest

@@ -262,6 +262,25 @@ pub fn f16_to_f32_slice(src: &[u16], dst: &mut [f32]) {
     }
 }
 
+/// A panel of f16 weights (four rows of `k`, `k` a multiple of four, as they lie) as f32 in
+/// the panel layout ([`panel_index`]), for the prompt kernel of panels.
+pub fn f16_panel_to_f32(src: &[u16], k: usize, dst: &mut [f32]) {
+    assert!(k.is_multiple_of(4) && src.len() == PANEL * k && dst.len() == PANEL * k);
+    kernels::f16_panel_to_f32(src, k, dst)
+}
+
+/// [`f16_panel_to_f32`] of the values `4i..4i + 4` of each row from `quads.start`.
+fn f16_panel_quads(src: &[u16], k: usize, quads: std::ops::Range<usize>, dst: &mut [f32]) {
+    for (c, row) in src.chunks_exact(k).enumerate() {
+        for i in quads.clone() {
+            let at = i * 16 + c * 4;
+            for (d, &h) in dst[at..at + 4].iter_mut().zip(&row[4 * i..4 * i + 4]) {
+                *d = f16_to_f32(h);
+            }
+        }
+    }
+}
+
 /// `x * 2^112` when every value stays finite. Then `scaled_x * f16_scaled(h)` is the same f32
 /// product as `x * f16_to_f32(h)` (both factors are exact, so the product rounds the same real
 /// number), and the f16 kernels skip a multiplication per weight.
@@ -396,7 +415,12 @@ fn axpy_rows_f16_with(
 /// The f16 kernels on inputs scaled by `scaled_input`: written for LLVM to vectorize.
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 mod kernels {
-    use super::{axpy_rows_f16_with, dot_f16_with, f16_scaled};
+    use super::{axpy_rows_f16_with, dot_f16_with, f16_panel_quads, f16_scaled};
+
+    /// `super::f16_panel_to_f32`, a quad at a time.
+    pub fn f16_panel_to_f32(src: &[u16], k: usize, dst: &mut [f32]) {
+        f16_panel_quads(src, k, 0..k / 4, dst)
+    }
 
     /// `x` in the order `dot_f16_scaled` takes it: as it is.
     pub fn order_for_dot_f16(_x: &mut [f32]) {}
@@ -419,7 +443,7 @@ mod kernels {
 mod kernels {
     use core::arch::wasm32::*;
 
-    use super::{axpy_rows_f16_with, f16_scaled};
+    use super::{axpy_rows_f16_with, f16_panel_quads, f16_scaled, F16_EXPONENT_SHIFT};
 
     /// `acc + a * b` per lane. With relaxed SIMD (the package's second wasm,
     /// `onnx_generate_bg_relaxed.wasm`) one `f32x4.relaxed_madd`, which engines on hardware
@@ -621,6 +645,32 @@ mod kernels {
         let lo = v128_and(i32x4_shl(i32x4_extend_low_i16x8(v), 13), mask);
         let hi = v128_and(i32x4_shl(i32x4_extend_high_i16x8(v), 13), mask);
         (lo, hi)
+    }
+
+    /// `super::f16_panel_to_f32`: eight values of each row at a time (`load8`, scaled back to
+    /// their f32 values), written to two quads of the panel; a last odd quad by the portable
+    /// loop.
+    pub fn f16_panel_to_f32(src: &[u16], k: usize, dst: &mut [f32]) {
+        assert!(src.len() >= 4 * k && dst.len() >= 4 * k);
+        let eights = k / 8;
+        let shift = f32x4_splat(F16_EXPONENT_SHIFT);
+        let d = dst.as_mut_ptr();
+        for j in 0..eights {
+            for c in 0..4 {
+                // SAFETY: values 8j..8j + 8 of row c (8j + 8 <= k) and quads 2j and 2j + 1 of
+                // the panel (16 (2j + 1) + 4c + 4 <= 16 (k / 4)) are within the asserted
+                // lengths; v128 loads and stores are unaligned.
+                unsafe {
+                    let (lo, hi) = load8(src.as_ptr().add(c * k + 8 * j));
+                    v128_store(d.add(32 * j + 4 * c) as *mut v128, f32x4_mul(lo, shift));
+                    v128_store(
+                        d.add(32 * j + 16 + 4 * c) as *mut v128,
+                        f32x4_mul(hi, shift),
+                    );
+                }
+            }
+        }
+        f16_panel_quads(src, k, 2 * eights..k / 4, dst);
     }
 
     /// `x` in the order `dot_f16_scaled` takes it: in each whole chunk of eight, the even

@@ -21,7 +21,8 @@ use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
     axpy_rows, axpy_rows_f16, dot, dot4, dot4_panel, dot4x2, dot4x2_panel, dot_panel, dot_panels,
-    f16_is_special, f16_to_f32_slice, matvec_f16_nk, side_by_side, touch, STREAMS,
+    f16_is_special, f16_panel_to_f32, f16_to_f32_slice, matvec_f16_nk, side_by_side, touch,
+    STREAMS,
 };
 use super::{initializer_dims, matmul_output_fact, node_label, streams};
 
@@ -440,8 +441,6 @@ fn columns_nk(
     let rows = row_range.end;
     for first in cols.clone().step_by(COLS) {
         let count = COLS.min(cols.end - first);
-        // A whole panel when `panels` (the rows past the last one lie as rows).
-        let in_panel = panels && count == COLS;
         let range = first * k..(first + count) * k;
         if row_range.len() >= 4 {
             // Several rows read these weights: in from memory first, many lines at a time.
@@ -450,11 +449,18 @@ fn columns_nk(
                 W::F16(w) => touch(&w[range.clone()]),
             }
         }
-        let four: &[f32] = match w {
-            W::F32(w) => &w[range],
+        // A whole panel when `panels` (the rows past the last one lie as rows); four f16 rows
+        // are widened into one where `K` allows (fp16 SmolLM2's later 37-token prompts in
+        // Node: 258-263 ms against 285-302 widened as rows with LLVM's loop).
+        let (four, in_panel): (&[f32], bool) = match w {
+            W::F32(w) => (&w[range], panels && count == COLS),
+            W::F16(w) if count == COLS && k.is_multiple_of(4) => {
+                f16_panel_to_f32(&w[range], k, &mut buffer[..COLS * k]);
+                (&buffer[..COLS * k], true)
+            }
             W::F16(_) => {
                 w.to_f32(range, &mut buffer[..count * k]);
-                &buffer[..count * k]
+                (&buffer[..count * k], false)
             }
         };
         let at = first - cols.start;
@@ -535,6 +541,7 @@ fn matmul_kn(
 
 #[cfg(test)]
 mod tests {
+    use super::super::linalg::f16_to_f32;
     use super::*;
 
     /// An `[n, k]` f32 matrix of `next()` values, the same as f16 bits, and in panels.
@@ -608,12 +615,13 @@ mod tests {
     /// Split across 2, 3 and 5 parts (threads under the `threads` feature), the output is
     /// bit-identical to the one-part kernel: f32 and f16 weights, every layout, decode (1 row)
     /// and prompt (7 rows), N not a multiple of 4. And the panel layout of a matrix gives the
-    /// same values as its rows.
+    /// same values as its rows, and a prompt with f16 weights those of their f32 values.
     #[test]
     fn column_split_is_bit_identical() {
         let mut next = super::super::testing::uniform(0x2545_f491_4f6c_dd1d);
         let (k, n) = (72, 4103);
         let (w32, w16, panels) = weights(k, n, &mut next);
+        let widened: Vec<f32> = w16.iter().map(|&h| f16_to_f32(h)).collect();
         let cases = [
             (W::F32(&w32), Layout::Kn),
             (W::F32(&w32), Layout::Nk),
@@ -631,6 +639,11 @@ mod tests {
                 assert!(one.iter().any(|v| *v != 0.0));
                 if layout == Layout::Panels {
                     assert_eq!(bits(&one), bits(&by_rows), "panels, rows={rows}");
+                }
+                if matches!(w, W::F16(_)) && layout == Layout::Nk && rows > 1 {
+                    let mut want = vec![0f32; rows * n];
+                    matmul(&x, rows, W::F32(&widened), k, n, Layout::Nk, 1, &mut want);
+                    assert_eq!(bits(&one), bits(&want), "f16 as f32, rows={rows}");
                 }
                 for parts in [2, 3, 5] {
                     let mut split = vec![0f32; rows * n];
