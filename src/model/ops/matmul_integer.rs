@@ -6,10 +6,11 @@
 //! in column blocks (`Layout::Blocks`, [`to_blocks`]: the rewrite before tract stores a
 //! matrix that only `MatMulInteger`s read so, in place, when K is a multiple of 4 and N of 16,
 //! and sets the node's `layout` attribute to 1). `A - a_zero` is formed once per row as int16,
-//! and the simd128 kernels multiply pairs of weights with `i32x4.dot_i16x8_s`: a prompt's
-//! rows six at a time down widened blocks of columns, a decoding step's single row down four
-//! blocks of columns at a time, each in one stream (in blocks), or four rows of `B` at a time
-//! across all columns (as it lies); the `B` zero point is subtracted afterwards as
+//! and the simd128 kernels multiply pairs of weights with `i32x4.dot_i16x8_s`. In blocks, the
+//! bytes as they lie: a prompt's rows four at a time down each block, a decoding step's single
+//! row down four blocks at a time, each in one stream. As it lies: a prompt's rows six at a
+//! time down widened blocks of columns, a decoding step's four rows of `B` at a time across all
+//! columns. The `B` zero point is subtracted afterwards as
 //! `b_zero[n] * sum_k (A[m, k] - a_zero)`. Integer sums are exact, so every kernel gives the
 //! same values as tract's own `MatMulInteger`, which this replaces (SmolLM2 int8 decoded at
 //! 0.6x transformers.js with it: its int32 kernel computes a 4x4 tile for the single row of a
