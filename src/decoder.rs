@@ -7,9 +7,9 @@ use crate::error::Result;
 
 /// The logits of the last new token of each row, `rows x vocab`, row-major.
 ///
-/// With `bounds` (greedy decoding, `DecoderState::bound_logits`), some rows hold upper bounds
-/// of their logits instead, exact only where `is_exact` says: the greedy loop makes exact only
-/// the logits that can win (`generate.rs`).
+/// With `bounds` (greedy decoding and sampling with `top_k`, `DecoderState::bound_logits`),
+/// some rows hold upper bounds of their logits instead, exact only where `is_exact` says: the
+/// loop makes exact only the logits that can win or pass `top_k` (`generate.rs`).
 #[derive(Debug, Clone, Default)]
 pub struct Logits {
     pub rows: usize,
@@ -39,7 +39,18 @@ pub struct Bounds {
 #[derive(Debug, Clone)]
 pub struct BoundRow {
     pub hidden: Vec<f32>,
-    pub exact: Vec<u32>,
+    /// Per token: whether its logit is exact.
+    exact: Vec<bool>,
+}
+
+impl BoundRow {
+    /// A row of `vocab` upper bounds, none exact yet, of the logits of `hidden`.
+    pub fn new(hidden: Vec<f32>, vocab: usize) -> BoundRow {
+        BoundRow {
+            hidden,
+            exact: vec![false; vocab],
+        }
+    }
 }
 
 impl std::fmt::Debug for Bounds {
@@ -78,7 +89,8 @@ impl Logits {
 
     /// Whether logit `j` of row `r` is exact.
     pub fn is_exact(&self, r: usize, j: u32) -> bool {
-        self.bound_row(r).is_none_or(|b| b.exact.contains(&j))
+        self.bound_row(r)
+            .is_none_or(|b| b.exact.get(j as usize).copied().unwrap_or(false))
     }
 
     /// Make the logits `tokens` of row `r` exact.
@@ -91,9 +103,9 @@ impl Logits {
             return Ok(());
         };
         for &j in tokens {
-            if (j as usize) < vocab && !row.exact.contains(&j) {
+            if row.exact.get(j as usize) == Some(&false) {
                 self.data[r * vocab + j as usize] = bounds.head.logit(&row.hidden, j as usize)?;
-                row.exact.push(j);
+                row.exact[j as usize] = true;
             }
         }
         Ok(())
@@ -142,8 +154,9 @@ pub trait DecoderState {
         let _ = rows;
         true
     }
-    /// Greedy decoding: from now on, a step may return upper bounds of a row's logits where
-    /// that reads fewer bytes (`Logits::bounds`). The default returns exact logits.
+    /// Greedy decoding, or sampling with `top_k`: from now on, a step may return upper bounds of a
+    /// row's logits where that reads fewer bytes (`Logits::bounds`). The default returns exact
+    /// logits.
     fn bound_logits(&mut self, on: bool) {
         let _ = on;
     }

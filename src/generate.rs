@@ -12,7 +12,7 @@ use crate::decoder::{DecoderState, Logits};
 use crate::error::{invalid, Error, Result};
 use crate::model::{EncoderInput, Model};
 use crate::processors::stop_strings::StopStrings;
-use crate::processors::{Chain, ChainInputs, LogitsProcessor, RowContext};
+use crate::processors::{warpers, Chain, ChainInputs, LogitsProcessor, RowContext};
 use crate::search;
 use crate::search::sampling::Sampler;
 use crate::tokenizer::TextStream;
@@ -441,8 +441,10 @@ impl Generation {
             let encoder = self.encoder.as_ref().map(|e| (e, rows_of.as_slice()));
             let prompts = self.prompt_inputs.as_ref().map(|p| (p, rows_of.as_slice()));
             let mut state = model.start_rows(rows_of.len(), capacity, encoder, prompts)?;
-            // Greedy decoding without scores reads bounds of the logits where they are cheaper.
-            state.bound_logits(self.sampler.is_none() && !want_logprobs);
+            // Greedy decoding, and sampling with `top_k`, without scores read bounds of the
+            // logits where they are cheaper.
+            let bounded = self.sampler.is_none() || self.chain.top_k().is_some();
+            state.bound_logits(bounded && !want_logprobs);
             self.groups[g].state = Some(state);
         }
         let group = &mut self.groups[g];
@@ -501,8 +503,14 @@ impl Generation {
             };
             let mut logprob = None;
             let mut top = None;
-            let token = if logits.is_bounded(i) && self.sampler.is_none() && !want_logprobs {
-                bounded_argmax(&mut logits, i, &ctx, &mut self.chain)?
+            let token = if logits.is_bounded(i) && !want_logprobs {
+                match self.sampler.as_mut() {
+                    None => bounded_argmax(&mut logits, i, &ctx, &mut self.chain)?,
+                    Some(sampler) => {
+                        let scores = bounded_top_k(&mut logits, i, &ctx, &mut self.chain)?;
+                        sampler.sample(r, &scores)?
+                    }
+                }
             } else {
                 logits.make_row_exact(i)?;
                 let mut scores = logits.row(i).to_vec();
@@ -655,6 +663,74 @@ fn bounded_argmax(
     }
 }
 
+/// The fewest logits that `bounded_top_k` makes exact one by one before it computes the whole
+/// row (which it does past an eighth of a larger vocabulary).
+const MAX_REFINED_TOP_K: usize = 1024;
+
+/// Sampling's scores for row `i` of `logits`, a row of upper bounds of the logits, with a
+/// chain that has `top_k` (`Chain::top_k`; without it the row is made exact): the scores of the
+/// exact logits, bit for bit. The processors before `top_k` map bounds to bounds of their
+/// scores (as in `bounded_argmax`). Once every token whose score reaches the k-th largest is
+/// exact, that k-th largest is the exact scores' k-th largest too (the exact scores of the
+/// others are below their bounds, so below it), and transformers' `TopKLogitsWarper` (scores
+/// below `torch.topk(scores, k)[0][..., -1]` become `-inf`) keeps the same tokens with the same
+/// scores: the warpers after it then see the exact row's values.
+fn bounded_top_k(
+    logits: &mut Logits,
+    i: usize,
+    ctx: &RowContext,
+    chain: &mut Chain,
+) -> Result<Vec<f32>> {
+    let Some(k) = chain.top_k() else {
+        logits.make_row_exact(i)?;
+        let mut scores = logits.row(i).to_vec();
+        chain.apply(ctx, &mut scores)?;
+        return Ok(scores);
+    };
+    match chain.exact_needed(ctx) {
+        Some(tokens) => logits.make_exact(i, &tokens)?,
+        None => logits.make_row_exact(i)?,
+    }
+    let vocab = logits.vocab;
+    let k = k.clamp(1, vocab.max(1));
+    let most = (vocab / 8).max(MAX_REFINED_TOP_K);
+    let mut scores = Vec::with_capacity(vocab);
+    let mut buf = vec![];
+    let (mut wider, mut refined) = (k, 0);
+    loop {
+        scores.clear();
+        scores.extend_from_slice(logits.row(i));
+        chain.apply_before_top_k(ctx, &mut scores)?;
+        let kth = warpers::kth_largest(&scores, k, &mut buf);
+        let missing = (0..vocab).any(|j| kept(scores[j], kth) && !logits.is_exact(i, j as u32));
+        if !missing {
+            chain.apply_from_top_k(ctx, &mut scores)?;
+            return Ok(scores);
+        }
+        // Each round costs passes over the row and each logit one dot product, so each round
+        // makes exact the tokens that reach the `wider`-th largest score, four times more each
+        // time: 4k, then 16k (SmolLM2 with k = 50 needs 100-200).
+        wider = (wider * 4).min(vocab);
+        let reach = warpers::kth_largest(&scores, wider, &mut buf);
+        let tokens: Vec<u32> = (0..vocab as u32)
+            .filter(|&j| kept(scores[j as usize], reach) && !logits.is_exact(i, j))
+            .collect();
+        refined += tokens.len();
+        // A NaN cut keeps every score (and `tokens` could miss some): the whole row.
+        if kth.is_nan() || refined > most {
+            logits.make_row_exact(i)?;
+        } else {
+            logits.make_exact(i, &tokens)?;
+        }
+    }
+}
+
+/// Whether `top_k` keeps `score` with the cut `kth`: transformers removes `score < kth`, so a
+/// NaN stays.
+fn kept(score: f32, kth: f32) -> bool {
+    score.partial_cmp(&kth) != Some(std::cmp::Ordering::Less)
+}
+
 /// One group of all rows, or in `grow` mode one group per prompt length.
 fn group_rows(model: &Model, rows: &[Row]) -> Vec<Group> {
     let lengths: Vec<usize> = rows.iter().map(|r| r.prompt_len).collect();
@@ -739,6 +815,43 @@ mod tests {
         }
     }
 
+    /// Uniform draws in [0, 1) of a fixed sequence (xorshift).
+    fn uniform() -> impl FnMut() -> f32 {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        }
+    }
+
+    /// Exact logits in quarter steps (so that ties are common), and one row of upper bounds of
+    /// them, from exact to far above, whose head gives the exact ones.
+    fn bounded_logits(vocab: usize, next: &mut impl FnMut() -> f32) -> (Vec<f32>, Logits) {
+        let exact: Vec<f32> = (0..vocab)
+            .map(|_| (next() * 16.0).floor() / 4.0 - 2.0)
+            .collect();
+        let bounds: Vec<f32> = exact
+            .iter()
+            .map(|&e| match (next() * 3.0) as u32 {
+                0 => e,
+                1 => e + next() * 0.5,
+                _ => e + next() * 4.0,
+            })
+            .collect();
+        let logits = Logits {
+            rows: 1,
+            vocab,
+            data: bounds,
+            bounds: Some(Bounds {
+                head: Arc::new(Exact(exact.clone())),
+                rows: vec![Some(BoundRow::new(vec![], vocab))],
+            }),
+        };
+        (exact, logits)
+    }
+
     /// Reads every score: the chain then needs every logit exact.
     struct Shift;
 
@@ -809,29 +922,12 @@ mod tests {
             prompt_len: if c == 7 { 7 } else { 3 },
             max_length: if c == 6 { 8 } else { 20 },
         };
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32
-        };
+        let mut next = uniform();
         let mut refined = 0;
         for (c, config) in configs.iter().enumerate() {
             for custom in [false, true] {
                 for trial in 0..200 {
-                    // Quarter steps, so that ties are common; the winners often near the top.
-                    let exact: Vec<f32> = (0..vocab)
-                        .map(|_| (next() * 16.0).floor() / 4.0 - 2.0)
-                        .collect();
-                    let bounds: Vec<f32> = exact
-                        .iter()
-                        .map(|&e| match (next() * 3.0) as u32 {
-                            0 => e,
-                            1 => e + next() * 0.5,
-                            _ => e + next() * 4.0,
-                        })
-                        .collect();
+                    let (exact, mut logits) = bounded_logits(vocab, &mut next);
                     let extra = || -> Vec<Box<dyn LogitsProcessor>> {
                         match custom {
                             true => vec![Box::new(Shift)],
@@ -843,18 +939,6 @@ mod tests {
                     let mut scores = exact.clone();
                     chain.apply(&ctx, &mut scores).unwrap();
                     let want = search::argmax(&scores);
-                    let mut logits = Logits {
-                        rows: 1,
-                        vocab,
-                        data: bounds,
-                        bounds: Some(Bounds {
-                            head: Arc::new(Exact(exact.clone())),
-                            rows: vec![Some(BoundRow {
-                                hidden: vec![],
-                                exact: vec![],
-                            })],
-                        }),
-                    };
                     let mut chain = Chain::build(config, vocab, extra()).unwrap();
                     let got = bounded_argmax(&mut logits, 0, &ctx, &mut chain).unwrap();
                     assert_eq!(got, want, "config {c}, custom {custom}, trial {trial}");
@@ -866,5 +950,92 @@ mod tests {
         }
         // The rows of the chains without a processor that reads every score kept bounds.
         assert_eq!(refined, 8 * 200, "rows that kept bounds");
+    }
+
+    /// Sampling's scores from upper bounds of the logits are the exact logits' scores bit for
+    /// bit, with `top_k` from 1 to beyond the vocabulary (ties at its cut are common), each
+    /// warper after it and processors before it; a chain without `top_k`, or with a processor
+    /// that reads every score, makes the row exact.
+    #[test]
+    fn bounded_top_k_gives_the_exact_scores() {
+        let vocab = 40;
+        let sample = |top_k| GenerationConfig {
+            do_sample: true,
+            top_k,
+            ..Default::default()
+        };
+        let configs: Vec<GenerationConfig> = vec![
+            sample(1),
+            GenerationConfig {
+                temperature: 0.7,
+                ..sample(5)
+            },
+            GenerationConfig {
+                top_p: 0.9,
+                repetition_penalty: 1.3,
+                ..sample(12)
+            },
+            sample(40),
+            sample(100),
+            GenerationConfig {
+                temperature: 1.6,
+                min_p: Some(0.1),
+                typical_p: 0.8,
+                epsilon_cutoff: 0.05,
+                eta_cutoff: 0.01,
+                renormalize_logits: true,
+                ..sample(8)
+            },
+            GenerationConfig {
+                eos_token_id: Some(vec![2, 5]),
+                exponential_decay_length_penalty: Some((0, 4.0)),
+                min_new_tokens: Some(1),
+                no_repeat_ngram_size: 2,
+                suppress_tokens: Some(vec![1, 3]),
+                ..sample(6)
+            },
+            GenerationConfig {
+                top_p: 0.8,
+                ..sample(0)
+            },
+        ];
+        let ids: Vec<u32> = vec![4, 9, 7, 8, 9, 11, 30];
+        let ctx = RowContext {
+            row: 0,
+            ids: &ids,
+            prompt_len: 3,
+            max_length: 20,
+        };
+        let mut next = uniform();
+        let mut kept_bounds = 0;
+        for (c, config) in configs.iter().enumerate() {
+            for custom in [false, true] {
+                for trial in 0..200 {
+                    let (exact, mut logits) = bounded_logits(vocab, &mut next);
+                    let extra = || -> Vec<Box<dyn LogitsProcessor>> {
+                        match custom {
+                            true => vec![Box::new(Shift)],
+                            false => vec![],
+                        }
+                    };
+                    let mut chain = Chain::build(config, vocab, extra()).unwrap();
+                    let mut want = exact.clone();
+                    chain.apply(&ctx, &mut want).unwrap();
+                    let mut chain = Chain::build(config, vocab, extra()).unwrap();
+                    let got = bounded_top_k(&mut logits, 0, &ctx, &mut chain).unwrap();
+                    let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "config {c}, custom {custom}, {trial}"
+                    );
+                    if logits.is_bounded(0) {
+                        kept_bounds += 1;
+                    }
+                }
+            }
+        }
+        // The chains with `top_k` and without a processor that reads every score.
+        assert_eq!(kept_bounds, 7 * 200, "rows that kept bounds");
     }
 }

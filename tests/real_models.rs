@@ -106,9 +106,46 @@ fn smollm2_genai_int4_cpu() {
 
 #[test]
 fn smollm2_model_q4() {
-    check("model_q4", Some("model_q4"), |root| {
+    let Some(model) = check("model_q4", Some("model_q4"), |root| {
         ModelFiles::from_dir(&root.join("smollm2/tjs"), Some("q4")).unwrap()
-    });
+    }) else {
+        return;
+    };
+    sampling_on_bounds_is_exact(&model, "model_q4");
+}
+
+/// Sampling with `top_k` computes exactly only the logits that can pass it (the others bounded
+/// by the `lm_head`'s int8 copy); with `output_scores` every logit is exact. The seeded tokens
+/// must be the same.
+fn sampling_on_bounds_is_exact(model: &Model, name: &str) {
+    // The prompt's first tokens: a short prompt keeps the test quick.
+    let prompt = ids(&expected()["prompt_ids"])[..8].to_vec();
+    let configs = [
+        serde_json::json!({}),
+        serde_json::json!({"top_k": 20, "temperature": 0.6, "top_p": 0.9,
+            "repetition_penalty": 1.2}),
+    ];
+    for config in configs {
+        for seed in 0..2 {
+            let mut o = serde_json::json!({"do_sample": true, "max_new_tokens": 16, "seed": seed});
+            o.as_object_mut()
+                .unwrap()
+                .extend(config.as_object().unwrap().clone());
+            let run = |o: &Value| {
+                let out = model.generate(
+                    std::slice::from_ref(&prompt),
+                    o.as_object().unwrap(),
+                    |_| {},
+                );
+                out.unwrap_or_else(|e| panic!("{name}: {e}")).sequences[0][0]
+                    .token_ids
+                    .clone()
+            };
+            let bounded = run(&o);
+            o["output_scores"] = serde_json::json!(true);
+            assert_eq!(bounded, run(&o), "{name}: sampling {config}, seed {seed}");
+        }
+    }
 }
 
 /// The int8 export (DynamicQuantizeLinear + MatMulInteger, `ops::matmul_integer`, exact integer

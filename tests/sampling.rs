@@ -51,6 +51,34 @@ fn same_seed_same_tokens_other_seeds_differ() {
     assert!((0..4).any(|s| tokens(&run(&m, &p, o(s)).0, 0, 0) != greedy));
 }
 
+/// Sampling with `top_k` computes exactly only the logits that can pass it (upper bounds of
+/// the others from the `lm_head`'s int8 copy); asking for scores computes every logit. The
+/// seeded tokens are the same, with processors before `top_k` and warpers after it.
+#[test]
+fn sampling_on_bounds_gives_the_tokens_of_exact_logits() {
+    let m = model();
+    let p = vec![PROMPT.to_vec()];
+    let configs = [
+        json!({}),
+        json!({"top_k": 5, "temperature": 0.7, "top_p": 0.9}),
+        json!({"top_k": 20, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_p": 0.05}),
+    ];
+    for config in configs {
+        for seed in 0..4 {
+            let mut o = json!({"do_sample": true, "max_new_tokens": 24, "seed": seed,
+                "eos_token_id": null});
+            o.as_object_mut()
+                .unwrap()
+                .extend(config.as_object().unwrap().clone());
+            let bounded = tokens(&run(&m, &p, o.clone()).0, 0, 0);
+            o["output_scores"] = json!(true);
+            let exact = tokens(&run(&m, &p, o).0, 0, 0);
+            assert_eq!(bounded.len(), 24);
+            assert_eq!(bounded, exact, "{config}, seed {seed}");
+        }
+    }
+}
+
 #[test]
 fn seeds_per_row_and_num_return_sequences() {
     let m = model();

@@ -1,14 +1,15 @@
 //! The `lm_head` of a decoder computed outside tract's plan (`tract_decoder`; the decoders of
-//! encoder-decoder models too, `seq2seq`), so that greedy decoding can read a quarter of its
-//! bytes.
+//! encoder-decoder models too, `seq2seq`), so that greedy decoding, and sampling with `top_k`,
+//! can read a quarter of its bytes.
 //!
 //! The full logits are the plan's own values (`matmul_weights::product`). For greedy decoding
 //! an int8 copy of the weight, one scale per row, gives an upper bound of every logit: the
 //! loop then computes exactly only the logits whose bound can win (`generate.rs`); with
-//! q4 SmolLM2 1 to 10 of 49,152 a step (a median of 2). The int8 pass reads 28 MB instead of
-//! the f32 head's 113 MB, with `matmul_integer`'s decoding kernels (the copy is laid out as
-//! their weight): in wasm (Node 20, a 2-core AMD EPYC) 1.0-1.2 ms for SmolLM2's head read
-//! over and over, where the pass's own kernel took 1.4 at best (`bench/HISTORY.md`).
+//! q4 SmolLM2 1 to 10 of 49,152 a step (a median of 2). Sampling with `top_k` computes those
+//! that can pass it (with q4 SmolLM2 and k = 50, 200 a step, 800 now and then). The int8 pass reads
+//! 28 MB instead of the f32 head's 113 MB, with `matmul_integer`'s decoding kernels (the copy is
+//! laid out as their weight): in wasm (Node 20, a 2-core AMD EPYC) 1.0-1.2 ms for SmolLM2's head
+//! read over and over, where the pass's own kernel took 1.4 at best (`bench/HISTORY.md`).
 //!
 //! The bound of logit `j` for the input `x` (`L_j`, the f32 kernel's value of `x . w_j`):
 //! - `x` is rounded to integers `X_i` with the scale `sx` (`|x_i - sx X_i| <= dx`), row `j` of
@@ -37,7 +38,7 @@ pub struct LmHead {
     weight: Arc<Tensor>,
     /// The type of the op's input and output (the plan's logits type): f32, or f16.
     dt: DatumType,
-    /// The int8 copy, made at the first greedy step (`None`: the weight is not finite).
+    /// The int8 copy, made at the first step with bounds (`None`: the weight is not finite).
     int8: OnceLock<Option<Int8Rows>>,
 }
 

@@ -112,7 +112,8 @@ pub struct Seq2Seq {
     plans: Mutex<HashMap<(usize, u8), Arc<Plan>>>,
     encoder_plans: Mutex<HashMap<usize, Arc<EncoderPlan>>>,
     /// The `lm_head` computed outside the decoder plans, shared by them (its int8 copy made
-    /// once): greedy decoding reads bounds of the logits from it (`LmHead::bounds`).
+    /// once): greedy decoding and sampling with `top_k` read bounds of the logits from it
+    /// (`LmHead::bounds`).
     head: OnceLock<Arc<LmHead>>,
     vocab: usize,
     /// How many parts of a weight the decoding steps of one row read side by side, chosen on
@@ -555,8 +556,8 @@ struct Seq2SeqState {
     scratch: Vec<u8>,
     /// tract's state of the last step's plan.
     session: Session,
-    /// Greedy decoding: a decoding step of one row may return upper bounds of its logits
-    /// (`DecoderState::bound_logits`).
+    /// Greedy decoding, or sampling with `top_k`: a decoding step of one row may return upper
+    /// bounds of its logits (`DecoderState::bound_logits`).
     bounded: bool,
 }
 

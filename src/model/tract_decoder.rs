@@ -771,8 +771,8 @@ struct TractState {
     broken: bool,
     /// The prompt of each row and the request's image features and positions.
     rows: Option<RowInputs>,
-    /// Greedy decoding: a decoding step of one row returns upper bounds of its logits
-    /// (`DecoderState::bound_logits`).
+    /// Greedy decoding, or sampling with `top_k`: a decoding step of one row returns upper bounds
+    /// of its logits (`DecoderState::bound_logits`).
     bounded: bool,
     /// tract's state of the last step's plan.
     session: Session,
@@ -1087,8 +1087,8 @@ pub(crate) fn int_tensor(values: &[i64], shape: &[usize], dt: DatumType) -> Resu
 
 /// The logits of each row's last new token from a plan's output `out`: the logits themselves,
 /// or the hidden state when the engine computes the `lm_head` (`head`, `cut_lm_head`), with the
-/// op's values. A decoding step of one row in greedy decoding (`bounded`) gets upper bounds of
-/// its logits when they exist (`LmHead::bounds`).
+/// op's values. A decoding step of one row with `bounded` (`DecoderState::bound_logits`) gets upper
+/// bounds of its logits when they exist (`LmHead::bounds`).
 pub(crate) fn head_logits(
     head: Option<&Arc<LmHead>>,
     bounded: bool,
@@ -1117,10 +1117,7 @@ pub(crate) fn head_logits(
     if bounded && all_rows == 1 && counts == [1] {
         let mut data = vec![0f32; vocab];
         if head.bounds(&hidden, &mut data)? {
-            let row = BoundRow {
-                hidden: hidden.to_vec(),
-                exact: vec![],
-            };
+            let row = BoundRow::new(hidden.to_vec(), vocab);
             return Ok(Logits {
                 rows: 1,
                 vocab,

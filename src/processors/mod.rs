@@ -102,6 +102,8 @@ pub struct ChainInputs {
 #[derive(Default)]
 pub struct Chain {
     processors: Vec<Box<dyn LogitsProcessor>>,
+    /// Sampling with `top_k`: where the warper sits among `processors`, and its `k`.
+    top_k: Option<(usize, usize)>,
 }
 
 impl Chain {
@@ -213,6 +215,7 @@ impl Chain {
         }
         p.extend(custom);
 
+        let mut top_k = None;
         if config.do_sample {
             // `min_tokens_to_keep`: 1, or with beam sampling one more than the eos tokens.
             let keep = if config.num_beams > 1 {
@@ -224,7 +227,9 @@ impl Chain {
                 p.push(Box::new(warpers::Temperature::new(config.temperature)?));
             }
             if config.top_k != 0 {
-                p.push(Box::new(warpers::TopK::new(config.top_k, keep)));
+                let warper = warpers::TopK::new(config.top_k, keep);
+                top_k = Some((p.len(), warper.k()));
+                p.push(Box::new(warper));
             }
             if config.top_p < 1.0 {
                 p.push(Box::new(warpers::TopP::new(config.top_p, keep)?));
@@ -245,7 +250,10 @@ impl Chain {
         if config.renormalize_logits {
             p.push(Box::new(warpers::LogNormalize));
         }
-        Ok(Chain { processors: p })
+        Ok(Chain {
+            processors: p,
+            top_k,
+        })
     }
 
     pub fn is_empty(&self) -> bool {
@@ -258,9 +266,23 @@ impl Chain {
 
     /// The logits that must be exact for the chain to map upper bounds of the logits to upper
     /// bounds of its scores (and exact logits to exact scores): `None` for all of them.
+    /// The `k` of the chain's `top_k` warper (sampling), if it has one.
+    pub fn top_k(&self) -> Option<usize> {
+        self.top_k.map(|(_, k)| k)
+    }
+
+    /// How many processors see upper bounds of the logits (`LogitsProcessor::on_bounds`):
+    /// those before `top_k`, or all of a chain without it. `top_k` and the warpers after it
+    /// see exact scores where it keeps them (`generate::bounded_top_k`).
+    fn bounded(&self) -> usize {
+        self.top_k.map_or(self.processors.len(), |(at, _)| at)
+    }
+
+    /// The logits that the processors before `top_k` (all, without it) need exact, given
+    /// upper bounds of the others; `None`: every logit.
     pub fn exact_needed(&self, ctx: &RowContext) -> Option<Vec<u32>> {
         let mut tokens = vec![];
-        for p in &self.processors {
+        for p in &self.processors[..self.bounded()] {
             match p.on_bounds(ctx) {
                 OnBounds::Monotone => {}
                 OnBounds::ExactAt(t) => tokens.extend(t),
@@ -272,7 +294,23 @@ impl Chain {
 
     /// Apply every processor to one row's scores.
     pub fn apply(&mut self, ctx: &RowContext, scores: &mut [f32]) -> Result<()> {
-        for p in self.processors.iter_mut() {
+        self.apply_before_top_k(ctx, scores)?;
+        self.apply_from_top_k(ctx, scores)
+    }
+
+    /// The processors before `top_k` (every one, in a chain without it).
+    pub fn apply_before_top_k(&mut self, ctx: &RowContext, scores: &mut [f32]) -> Result<()> {
+        let at = self.bounded();
+        for p in &mut self.processors[..at] {
+            p.process(ctx, scores)?;
+        }
+        Ok(())
+    }
+
+    /// `top_k` and the warpers after it (none, in a chain without it).
+    pub fn apply_from_top_k(&mut self, ctx: &RowContext, scores: &mut [f32]) -> Result<()> {
+        let at = self.bounded();
+        for p in &mut self.processors[at..] {
             p.process(ctx, scores)?;
         }
         Ok(())

@@ -5,20 +5,32 @@
 //! cumulative sums accumulated in double (as `torch.cumsum` does on the CPU) and compared in
 //! float32, so that the kept set (the support) is the same.
 
-use super::{LogitsProcessor, RowContext};
+use super::{LogitsProcessor, OnBounds, RowContext};
 use crate::error::{invalid, Result};
 use crate::search::{log_softmax_into, softmax_into};
 
-/// The `k`-th largest score (k >= 1), `torch.topk(scores, k)[0][..., -1]`.
-fn kth_largest(scores: &[f32], k: usize, buf: &mut Vec<f32>) -> f32 {
-    buf.clear();
-    buf.extend_from_slice(scores);
-    let k = k.clamp(1, buf.len().max(1));
-    if buf.is_empty() {
+/// The `k`-th largest score (k >= 1) in `total_cmp` order, `torch.topk(scores, k)[0][..., -1]`.
+/// Of a large row it first selects the k-th largest of an even sample of `sqrt(k n)` scores,
+/// which is at most the row's: only the scores that reach it can be the row's `k` largest (a
+/// few thousand of SmolLM2's 49,152 for k = 50), and those are selected from.
+pub(crate) fn kth_largest(scores: &[f32], k: usize, buf: &mut Vec<f32>) -> f32 {
+    if scores.is_empty() {
         return f32::NEG_INFINITY;
     }
-    let (_, kth, _) = buf.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
-    *kth
+    let k = k.clamp(1, scores.len());
+    let larger_first = |a: &f32, b: &f32| b.total_cmp(a);
+    buf.clear();
+    let sample = ((k as f64 * scores.len() as f64).sqrt() as usize).max(k);
+    if sample * 4 <= scores.len() {
+        // At least `sample` scores, so at least `k`.
+        buf.extend(scores.iter().step_by(scores.len() / sample));
+        let low = *buf.select_nth_unstable_by(k - 1, larger_first).1;
+        buf.clear();
+        buf.extend(scores.iter().filter(|s| s.total_cmp(&low).is_ge()));
+    } else {
+        buf.extend_from_slice(scores);
+    }
+    *buf.select_nth_unstable_by(k - 1, larger_first).1
 }
 
 /// The double a user typed for an option stored as `f32` (its shortest decimal form: 0.8f32
@@ -68,6 +80,12 @@ impl LogitsProcessor for Temperature {
         scores.iter_mut().for_each(|s| *s /= self.t);
         Ok(())
     }
+
+    /// A division by a positive number, rounded to nearest, never lowers a larger score below a
+    /// smaller one.
+    fn on_bounds(&self, _: &RowContext) -> OnBounds {
+        OnBounds::Monotone
+    }
 }
 
 /// transformers' `TopKLogitsWarper`: scores below the k-th largest become `-inf` (ties with it
@@ -83,6 +101,11 @@ impl TopK {
             k: top_k.max(min_tokens_to_keep),
             buf: vec![],
         }
+    }
+
+    /// How many of the largest scores stay (more where scores tie with the last of them).
+    pub fn k(&self) -> usize {
+        self.k
     }
 }
 
@@ -402,6 +425,46 @@ mod tests {
 
     fn logs(p: &[f32]) -> Vec<f32> {
         p.iter().map(|x| x.ln()).collect()
+    }
+
+    /// The k-th largest through a sample is the full sort's, on rows of every kind of value
+    /// (ties, both zeros, infinities, NaN) and small and large `k`.
+    #[test]
+    fn kth_largest_is_the_sorted_rows() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state >> 40
+        };
+        let mut buf = vec![];
+        for n in [1, 7, 100, 5000, 49_152] {
+            for kind in 0..4 {
+                let row: Vec<f32> = (0..n)
+                    .map(|_| {
+                        let v = next();
+                        match (kind, v % 97) {
+                            (1, 0) => NINF,
+                            (1, 1) => f32::INFINITY,
+                            (2, 0..=2) => -0.0,
+                            (2, 3..=5) => 0.0,
+                            (3, 0) => f32::NAN,
+                            // Quarter steps (many ties), or spread values.
+                            (0 | 1, _) => (v % 64) as f32 / 4.0 - 8.0,
+                            _ => v as f32 / 1e5 - 80.0,
+                        }
+                    })
+                    .collect();
+                let mut sorted = row.clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                for k in [1, 2, 50, 700, 3_125, n - 1, n, n + 3] {
+                    let want = sorted[k.clamp(1, n) - 1];
+                    let got = kth_largest(&row, k, &mut buf);
+                    assert_eq!(got.to_bits(), want.to_bits(), "n {n}, kind {kind}, k {k}");
+                }
+            }
+        }
     }
 
     #[test]

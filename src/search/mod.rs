@@ -110,7 +110,12 @@ pub fn softmax_into(scores: &[f32], out: &mut Vec<f32>) {
         out.resize(scores.len(), 0.0);
         return;
     }
-    out.extend(scores.iter().map(|&s| (s - max).exp()));
+    // `exp(-inf - max)` is 0: the scores that the warpers removed (most of a vocabulary
+    // after `top_k`) skip the exponential.
+    out.extend(scores.iter().map(|&s| match s {
+        f32::NEG_INFINITY => 0.0,
+        s => (s - max).exp(),
+    }));
     let sum: f32 = out.iter().sum();
     out.iter_mut().for_each(|p| *p /= sum);
 }
