@@ -8,6 +8,7 @@
 //                    [--parallel-threshold MACS]   (the threads build's setParallelThreshold)
 //                    [--pkg DIR]   (onnx-generate's 1-thread package: pkg/ by default)
 //   npm run bench -- --batch 1,4,8 [--models fp32] [--env ...] [--tokens 16]   (onnx-generate only)
+//   npm run bench -- --sample [--models q4,int8] ...   (sampling: top_k 50, temperature 0.7)
 import { execFileSync, spawn } from "node:child_process";
 import { closeSync, existsSync, mkdtempSync, openSync, readdirSync, readFileSync, readSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { cpus, loadavg, tmpdir } from "node:os";
@@ -31,7 +32,7 @@ const opt = (name, fallback) => {
   return i >= 0 && argv[i + 1] !== undefined ? argv[i + 1] : fallback;
 };
 const list = (s) => String(s).split(",").map((x) => x.trim()).filter(Boolean);
-const known = new Set(["quick", "models", "env", "threads", "reps", "tokens", "budget", "out", "batch", "parallel-threshold", "pkg", "help"]);
+const known = new Set(["sample", "quick", "models", "env", "threads", "reps", "tokens", "budget", "out", "batch", "parallel-threshold", "pkg", "help"]);
 for (const a of argv) {
   if (a.startsWith("--") && !known.has(a.slice(2))) {
     console.error(`bench: unknown option ${a} (known: ${[...known].map((k) => "--" + k).join(" ")})`);
@@ -59,6 +60,8 @@ const options = {
   parallelThreshold: opt("parallel-threshold", null) === null ? null : Number(opt("parallel-threshold")),
   // The folder of the 1-thread package, in the repository (another build of the package).
   pkg: opt("pkg", "pkg").replace(/\/+$/, ""),
+  // Sampled tokens instead of greedy ones (text models).
+  sample: flag("sample"),
 };
 for (const e of options.envs) {
   if (!["node", "chromium"].includes(e)) throw new Error(`--env: "${e}" is not node or chromium`);
@@ -142,6 +145,7 @@ const spec = (engine, model, threads) => ({
   speech: model.speech && { language: model.speech.language, encoder: model.speech.encoder },
   parallelThreshold: options.parallelThreshold,
   pkg: options.pkg,
+  sample: options.sample,
 });
 
 /** onnx-generate's thread counts in `env`: 1 (pkg/), and in Chromium each larger count of

@@ -2,7 +2,8 @@
 // caller passes the loaded JavaScript modules and a `load` function for the environment
 // (bytes from disk in Node, URLs in the page); this file only times and collects.
 //
-// Both engines: greedy, exactly `newTokens` new tokens (min_new_tokens = max_new_tokens, so an
+// Both engines: greedy (or with `sample`, sampling with `SAMPLING`), exactly `newTokens` new
+// tokens (min_new_tokens = max_new_tokens, so an
 // end-of-sequence token cannot stop either early), the prompt rendered and tokenized by each
 // engine itself (the chat template is given to transformers.js explicitly: it does not read
 // chat_template.jinja), once to count its ids before the timed call and again inside it (so
@@ -20,6 +21,14 @@ const now = () => performance.now();
 /** Options shared by both engines for exactly `n` greedy tokens. */
 function greedy(n) {
   return { max_new_tokens: n, min_new_tokens: n, do_sample: false };
+}
+
+/** The sampling settings of `--sample` (transformers' default `top_k`, a usual temperature). */
+export const SAMPLING = { do_sample: true, top_k: 50, temperature: 0.7 };
+
+/** Options for exactly `n` tokens, greedy or sampled. */
+function tokens(n, sample) {
+  return sample ? { ...greedy(n), ...SAMPLING } : greedy(n);
 }
 
 function median(xs) {
@@ -67,7 +76,7 @@ function figures({ loadMs, startedAt, times, againMs, promptIds, tokenIds, text,
  * messages or text. Generation stops early (finish_reason "abort") once `budgetMs` has passed,
  * so a slow variant still reports its load time and the tokens it made.
  */
-export async function runOnnxGenerate({ load, input, newTokens, budgetMs = Infinity }) {
+export async function runOnnxGenerate({ load, input, newTokens, sample = false, budgetMs = Infinity }) {
   const t0 = now();
   const model = await load();
   const loadMs = now() - t0;
@@ -80,7 +89,7 @@ export async function runOnnxGenerate({ load, input, newTokens, budgetMs = Infin
   const controller = new AbortController();
   const startedAt = now();
   const result = await model.generate(input, {
-    ...greedy(newTokens),
+    ...tokens(newTokens, sample),
     signal: controller.signal,
     on_token: () => {
       times.push(now());
@@ -115,6 +124,7 @@ export async function runTransformersJs({
   input,
   chatTemplate,
   newTokens,
+  sample = false,
   budgetMs = Infinity,
 }) {
   const t0 = now();
@@ -155,7 +165,7 @@ export async function runTransformersJs({
   const inputs = tokenize();
   const output = await model.generate({
     ...inputs,
-    ...greedy(newTokens),
+    ...tokens(newTokens, sample),
     streamer: new Timer(),
     stopping_criteria: [budget],
   });

@@ -49,7 +49,7 @@ async function onnxGenerate() {
     ? await runOnnxGenerateBatches({ load, rowsList: spec.batch, newTokens: spec.newTokens })
     : spec.speech
       ? await runOnnxGenerateTranscribe({ load, ...audio, language: spec.speech.language, budgetMs: spec.budgetMs })
-      : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, budgetMs: spec.budgetMs });
+      : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, sample: spec.sample, budgetMs: spec.budgetMs });
   result.wasm_memory_mb = wasmMemory.buffer.byteLength / 2 ** 20;
   result.wasm_file = wasmFile;
   return result;
@@ -79,6 +79,7 @@ async function transformersJs() {
     input: spec.input,
     chatTemplate: spec.chatTemplate,
     newTokens: spec.newTokens,
+    sample: spec.sample,
   });
 }
 

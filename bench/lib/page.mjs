@@ -39,7 +39,7 @@ async function onnxGenerate(spec) {
     ? await runOnnxGenerateBatches({ load, rowsList: spec.batch, newTokens: spec.newTokens })
     : spec.speech
       ? await runOnnxGenerateTranscribe({ load, ...clip, language: spec.speech.language, budgetMs: spec.budgetMs })
-      : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, budgetMs: spec.budgetMs });
+      : await runOnnxGenerate({ load, input: spec.input, newTokens: spec.newTokens, sample: spec.sample, budgetMs: spec.budgetMs });
   result.wasm_memory_mb = memory.buffer.byteLength / 2 ** 20;
   result.wasm_file = wasmFile;
   return result;
@@ -61,7 +61,7 @@ async function transformersJs(spec) {
   };
   const common = { tjs, modelId: spec.model.name, dtype: spec.model.tjsDtype, device: "wasm", budgetMs: spec.budgetMs };
   if (spec.speech) return runTransformersJsTranscribe({ ...common, ...clip, language: spec.speech.language });
-  return runTransformersJs({ ...common, input: spec.input, chatTemplate: spec.chatTemplate, newTokens: spec.newTokens });
+  return runTransformersJs({ ...common, input: spec.input, chatTemplate: spec.chatTemplate, newTokens: spec.newTokens, sample: spec.sample });
 }
 
 window.benchRun = async (spec) => {
