@@ -663,8 +663,8 @@ fn bounded_argmax(
     }
 }
 
-/// The fewest logits that `bounded_top_k` makes exact one by one before it computes the whole
-/// row (which it does past an eighth of a larger vocabulary).
+/// How many logits `bounded_top_k` may make exact one by one before it computes the whole row
+/// instead: this many, or an eighth of a larger vocabulary.
 const MAX_REFINED_TOP_K: usize = 1024;
 
 /// Sampling's scores for row `i` of `logits`, a row of upper bounds of the logits, with a
@@ -852,6 +852,15 @@ mod tests {
         (exact, logits)
     }
 
+    /// The chain of `config`, with `Shift` as a custom processor when `custom`.
+    fn chain_of(config: &GenerationConfig, vocab: usize, custom: bool) -> Chain {
+        let extra: Vec<Box<dyn LogitsProcessor>> = match custom {
+            true => vec![Box::new(Shift)],
+            false => vec![],
+        };
+        Chain::build(config, vocab, extra).unwrap()
+    }
+
     /// Reads every score: the chain then needs every logit exact.
     struct Shift;
 
@@ -928,18 +937,12 @@ mod tests {
             for custom in [false, true] {
                 for trial in 0..200 {
                     let (exact, mut logits) = bounded_logits(vocab, &mut next);
-                    let extra = || -> Vec<Box<dyn LogitsProcessor>> {
-                        match custom {
-                            true => vec![Box::new(Shift)],
-                            false => vec![],
-                        }
-                    };
                     let ctx = ctx(c);
-                    let mut chain = Chain::build(config, vocab, extra()).unwrap();
+                    let mut chain = chain_of(config, vocab, custom);
                     let mut scores = exact.clone();
                     chain.apply(&ctx, &mut scores).unwrap();
                     let want = search::argmax(&scores);
-                    let mut chain = Chain::build(config, vocab, extra()).unwrap();
+                    let mut chain = chain_of(config, vocab, custom);
                     let got = bounded_argmax(&mut logits, 0, &ctx, &mut chain).unwrap();
                     assert_eq!(got, want, "config {c}, custom {custom}, trial {trial}");
                     if logits.is_bounded(0) {
@@ -1012,16 +1015,10 @@ mod tests {
             for custom in [false, true] {
                 for trial in 0..200 {
                     let (exact, mut logits) = bounded_logits(vocab, &mut next);
-                    let extra = || -> Vec<Box<dyn LogitsProcessor>> {
-                        match custom {
-                            true => vec![Box::new(Shift)],
-                            false => vec![],
-                        }
-                    };
-                    let mut chain = Chain::build(config, vocab, extra()).unwrap();
+                    let mut chain = chain_of(config, vocab, custom);
                     let mut want = exact.clone();
                     chain.apply(&ctx, &mut want).unwrap();
-                    let mut chain = Chain::build(config, vocab, extra()).unwrap();
+                    let mut chain = chain_of(config, vocab, custom);
                     let got = bounded_top_k(&mut logits, 0, &ctx, &mut chain).unwrap();
                     let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(
