@@ -702,7 +702,8 @@ fn bounded_top_k(
         scores.extend_from_slice(logits.row(i));
         chain.apply_before_top_k(ctx, &mut scores)?;
         let kth = warpers::kth_largest(&scores, k, &mut buf);
-        let missing = (0..vocab).any(|j| kept(scores[j], kth) && !logits.is_exact(i, j as u32));
+        let missing = (0..vocab)
+            .any(|j| warpers::top_k_keeps(scores[j], kth) && !logits.is_exact(i, j as u32));
         if !missing {
             chain.apply_from_top_k(ctx, &mut scores)?;
             return Ok(scores);
@@ -713,7 +714,7 @@ fn bounded_top_k(
         wider = (wider * 4).min(vocab);
         let reach = warpers::kth_largest(&scores, wider, &mut buf);
         let tokens: Vec<u32> = (0..vocab as u32)
-            .filter(|&j| kept(scores[j as usize], reach) && !logits.is_exact(i, j))
+            .filter(|&j| warpers::top_k_keeps(scores[j as usize], reach) && !logits.is_exact(i, j))
             .collect();
         refined += tokens.len();
         // A NaN cut keeps every score (and `tokens` could miss some): the whole row.
@@ -723,12 +724,6 @@ fn bounded_top_k(
             logits.make_exact(i, &tokens)?;
         }
     }
-}
-
-/// Whether `top_k` keeps `score` with the cut `kth`: transformers removes `score < kth`, so a
-/// NaN stays.
-fn kept(score: f32, kth: f32) -> bool {
-    score.partial_cmp(&kth) != Some(std::cmp::Ordering::Less)
 }
 
 /// One group of all rows, or in `grow` mode one group per prompt length.

@@ -114,12 +114,18 @@ impl LogitsProcessor for TopK {
         let k = self.k.min(scores.len());
         let threshold = kth_largest(scores, k, &mut self.buf);
         for s in scores.iter_mut() {
-            if *s < threshold {
+            if !top_k_keeps(*s, threshold) {
                 *s = f32::NEG_INFINITY;
             }
         }
         Ok(())
     }
+}
+
+/// Whether `top_k` keeps `score` with the cut `kth`: transformers removes `score < kth`, so a
+/// NaN stays.
+pub(crate) fn top_k_keeps(score: f32, kth: f32) -> bool {
+    score.partial_cmp(&kth) != Some(std::cmp::Ordering::Less)
 }
 
 /// transformers' `TopPLogitsWarper`: keep the smallest set of most likely tokens whose
