@@ -14,6 +14,9 @@ use crate::search::softmax_into;
 /// One generator per row.
 pub struct Sampler {
     rngs: Vec<ChaCha20Rng>,
+    /// The tokens whose score is not `-inf`, their scores and their probabilities.
+    kept: Vec<u32>,
+    scores: Vec<f32>,
     probs: Vec<f32>,
 }
 
@@ -33,6 +36,8 @@ impl Sampler {
         };
         Ok(Sampler {
             rngs: seeds.into_iter().map(ChaCha20Rng::seed_from_u64).collect(),
+            kept: vec![],
+            scores: vec![],
             probs: vec![],
         })
     }
@@ -45,7 +50,18 @@ impl Sampler {
             .rngs
             .get_mut(row)
             .ok_or_else(|| Error::InvalidInput(format!("no sampling generator for row {row}")))?;
-        softmax_into(scores, &mut self.probs);
+        // A `-inf` score has probability 0: it adds nothing to the sums and is never drawn, so
+        // the softmax and the draw over the other scores alone (a few dozen of a vocabulary
+        // after `top_k`), in the same order, give the same sums and the same token.
+        self.kept.clear();
+        self.scores.clear();
+        for (i, &s) in scores.iter().enumerate() {
+            if s != f32::NEG_INFINITY {
+                self.kept.push(i as u32);
+                self.scores.push(s);
+            }
+        }
+        softmax_into(&self.scores, &mut self.probs);
         let total: f64 = self.probs.iter().map(|&p| p as f64).sum();
         if total.is_nan() || total <= 0.0 {
             return invalid!(
@@ -56,17 +72,17 @@ impl Sampler {
         let u: f64 = rng.random::<f64>() * total;
         let mut cum = 0.0f64;
         let mut last = 0;
-        for (i, &p) in self.probs.iter().enumerate() {
+        for (&i, &p) in self.kept.iter().zip(&self.probs) {
             if p > 0.0 {
                 cum += p as f64;
                 last = i;
                 if u < cum {
-                    return Ok(i as u32);
+                    return Ok(i);
                 }
             }
         }
         // Rounding at the very end: the last token with a non-zero probability.
-        Ok(last as u32)
+        Ok(last)
     }
 }
 
@@ -97,6 +113,56 @@ mod tests {
         assert_eq!(draw(&[3, 9], 1), draw(&[9], 0));
         assert!(Sampler::new(Some(&[1, 2, 3]), 2).is_err());
         assert!(Sampler::new(None, 2).is_ok());
+    }
+
+    /// The draw over the kept scores alone is the draw over the whole row: the softmax of the
+    /// whole row (zeros where `-inf`) and its cumulative sums in f64, token by token, with the
+    /// same generator.
+    #[test]
+    fn draws_over_kept_scores_are_the_whole_rows_draws() {
+        let mut next = crate::model::ops::testing::uniform(0x9e37_79b9_7f4a_7c15);
+        let ninf = f32::NEG_INFINITY;
+        for case in 0..60 {
+            let n = [7, 64, 1000][case % 3];
+            // Mostly -inf (as after top_k), some scores whose exponential underflows to 0.
+            let scores: Vec<f32> = (0..n)
+                .map(|_| match next() {
+                    u if u < 0.7 => ninf,
+                    u if u < 0.75 => -200.0 + u,
+                    u => 4.0 * u,
+                })
+                .collect();
+            let seed = case as u64;
+            let mut sampler = Sampler::new(Some(&[seed]), 1).unwrap();
+            let mut rng = ChaCha20Rng::seed_from_u64(seed);
+            let mut probs = vec![];
+            softmax_into(&scores, &mut probs);
+            let total: f64 = probs.iter().map(|&p| p as f64).sum();
+            for _ in 0..200 {
+                let got = sampler.sample(0, &scores);
+                if total.is_nan() || total <= 0.0 {
+                    assert!(got.is_err(), "case {case}");
+                    break;
+                }
+                let u: f64 = rng.random::<f64>() * total;
+                let (mut cum, mut want) = (0.0f64, None);
+                let mut last = 0;
+                for (i, &p) in probs.iter().enumerate() {
+                    if p > 0.0 {
+                        cum += p as f64;
+                        last = i as u32;
+                        if want.is_none() && u < cum {
+                            want = Some(i as u32);
+                        }
+                    }
+                }
+                assert_eq!(got.unwrap(), want.unwrap_or(last), "case {case}");
+            }
+        }
+        // No score left, or a NaN among them: an error, as for the whole row.
+        let mut sampler = Sampler::new(Some(&[1]), 1).unwrap();
+        assert!(sampler.sample(0, &[ninf; 5]).is_err());
+        assert!(sampler.sample(0, &[ninf, f32::NAN, 1.0]).is_err());
     }
 
     #[test]
