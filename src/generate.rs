@@ -687,12 +687,19 @@ fn bounded_top_k(
         chain.apply(ctx, &mut scores)?;
         return Ok(scores);
     };
-    match chain.exact_needed(ctx) {
-        Some(tokens) => logits.make_exact(i, &tokens)?,
-        None => logits.make_row_exact(i)?,
-    }
     let vocab = logits.vocab;
     let k = k.clamp(1, vocab.max(1));
+    // How many logits of the row are exact, at most (a row of bounds starts with none).
+    let mut exact = match chain.exact_needed(ctx) {
+        Some(tokens) if logits.is_bounded(i) => {
+            logits.make_exact(i, &tokens)?;
+            tokens.len()
+        }
+        _ => {
+            logits.make_row_exact(i)?;
+            vocab
+        }
+    };
     let most = (vocab / 8).max(MAX_REFINED_TOP_K);
     let mut scores = Vec::with_capacity(vocab);
     let mut buf = vec![];
@@ -701,12 +708,18 @@ fn bounded_top_k(
         scores.clear();
         scores.extend_from_slice(logits.row(i));
         chain.apply_before_top_k(ctx, &mut scores)?;
-        let kth = warpers::kth_largest(&scores, k, &mut buf);
-        let missing = (0..vocab)
-            .any(|j| warpers::top_k_keeps(scores[j], kth) && !logits.is_exact(i, j as u32));
-        if !missing {
-            chain.apply_from_top_k(ctx, &mut scores)?;
-            return Ok(scores);
+        // `top_k` keeps at least k scores: with fewer exact logits, some of those it keeps are
+        // surely not exact (the first round, mostly), and the cut waits for the next round.
+        let mut nan_cut = false;
+        if exact >= k {
+            let kth = warpers::kth_largest(&scores, k, &mut buf);
+            let missing = (0..vocab)
+                .any(|j| warpers::top_k_keeps(scores[j], kth) && !logits.is_exact(i, j as u32));
+            if !missing {
+                chain.apply_from_top_k(ctx, &mut scores, kth)?;
+                return Ok(scores);
+            }
+            nan_cut = kth.is_nan();
         }
         // Each round costs passes over the row and each logit one dot product, so each round
         // makes exact the tokens that reach the `wider`-th largest score, four times more each
@@ -717,11 +730,14 @@ fn bounded_top_k(
             .filter(|&j| warpers::top_k_keeps(scores[j as usize], reach) && !logits.is_exact(i, j))
             .collect();
         refined += tokens.len();
-        // A NaN cut keeps every score (and `tokens` could miss some): the whole row.
-        if kth.is_nan() || refined > most {
+        // A NaN cut keeps every score (and `tokens` could miss some): the whole row; so too if
+        // no token were left to make exact (the counts above rule it out: a guard).
+        if nan_cut || refined > most || tokens.is_empty() {
             logits.make_row_exact(i)?;
+            exact = vocab;
         } else {
             logits.make_exact(i, &tokens)?;
+            exact += tokens.len();
         }
     }
 }

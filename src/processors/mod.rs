@@ -294,8 +294,10 @@ impl Chain {
 
     /// Apply every processor to one row's scores.
     pub fn apply(&mut self, ctx: &RowContext, scores: &mut [f32]) -> Result<()> {
-        self.apply_before_top_k(ctx, scores)?;
-        self.apply_from_top_k(ctx, scores)
+        for p in &mut self.processors {
+            p.process(ctx, scores)?;
+        }
+        Ok(())
     }
 
     /// The processors before `top_k` (every one, in a chain without it).
@@ -307,10 +309,20 @@ impl Chain {
         Ok(())
     }
 
-    /// `top_k` and the warpers after it (none, in a chain without it).
-    pub fn apply_from_top_k(&mut self, ctx: &RowContext, scores: &mut [f32]) -> Result<()> {
-        let at = self.bounded();
-        for p in &mut self.processors[at..] {
+    /// `top_k`, given its cut `kth` (the k-th largest of `scores`, which the caller has
+    /// computed: `warpers::kth_largest`), and the warpers after it (none, in a chain without
+    /// `top_k`).
+    pub fn apply_from_top_k(
+        &mut self,
+        ctx: &RowContext,
+        scores: &mut [f32],
+        kth: f32,
+    ) -> Result<()> {
+        let Some((at, _)) = self.top_k else {
+            return Ok(());
+        };
+        warpers::top_k_cut(scores, kth);
+        for p in &mut self.processors[at + 1..] {
             p.process(ctx, scores)?;
         }
         Ok(())

@@ -112,13 +112,17 @@ impl TopK {
 impl LogitsProcessor for TopK {
     fn process(&mut self, _: &RowContext, scores: &mut [f32]) -> Result<()> {
         let k = self.k.min(scores.len());
-        let threshold = kth_largest(scores, k, &mut self.buf);
-        for s in scores.iter_mut() {
-            if !top_k_keeps(*s, threshold) {
-                *s = f32::NEG_INFINITY;
-            }
-        }
+        top_k_cut(scores, kth_largest(scores, k, &mut self.buf));
         Ok(())
+    }
+}
+
+/// `top_k`'s cut: the scores that it does not keep with the cut `kth` become `-inf`.
+pub(crate) fn top_k_cut(scores: &mut [f32], kth: f32) {
+    for s in scores.iter_mut() {
+        if !top_k_keeps(*s, kth) {
+            *s = f32::NEG_INFINITY;
+        }
     }
 }
 
