@@ -23,6 +23,13 @@ pub struct Logits {
 pub trait Head {
     /// Logit `j` of `hidden`.
     fn logit(&self, hidden: &[f32], j: usize) -> Result<f32>;
+    /// Logit `tokens[i]` of `hidden` into `out[i]`, each the value of [`Head::logit`].
+    fn some_logits(&self, hidden: &[f32], tokens: &[u32], out: &mut [f32]) -> Result<()> {
+        for (&j, out) in tokens.iter().zip(out) {
+            *out = self.logit(hidden, j as usize)?;
+        }
+        Ok(())
+    }
     /// Every logit of `hidden` into `out` (`vocab` values).
     fn logits(&self, hidden: &[f32], out: &mut [f32]) -> Result<()>;
 }
@@ -102,13 +109,22 @@ impl Logits {
         let Some(Some(row)) = bounds.rows.get_mut(r) else {
             return Ok(());
         };
+        let mut todo: Vec<u32> = vec![];
         for &j in tokens {
             if row.exact.get(j as usize) == Some(&false) {
-                self.data[r * vocab + j as usize] = bounds.head.logit(&row.hidden, j as usize)?;
                 row.exact[j as usize] = true;
+                todo.push(j);
             }
         }
-        Ok(())
+        let mut values = vec![0f32; todo.len()];
+        let done = bounds.head.some_logits(&row.hidden, &todo, &mut values);
+        for (&j, v) in todo.iter().zip(values) {
+            match done {
+                Ok(()) => self.data[r * vocab + j as usize] = v,
+                Err(_) => row.exact[j as usize] = false,
+            }
+        }
+        done
     }
 
     /// Make every logit of row `r` exact.

@@ -28,7 +28,7 @@ use tract_onnx::prelude::*;
 use crate::decoder::Head;
 use crate::error::{backend, Error, Result};
 use crate::model::ops::matmul_integer::{self, block_byte, fits_blocks, flipped, matvec, Bytes};
-use crate::model::ops::matmul_weights::{one_output, product, Layout, Weights};
+use crate::model::ops::matmul_weights::{one_output, product, some_outputs, Layout, Weights};
 use crate::model::ops::parallel;
 
 /// A `MatMulWeights` at the end of a decoder, with its weight.
@@ -134,6 +134,12 @@ impl Head for LmHead {
         let mut v = [one_output(&self.op, hidden, &self.weight, j).map_err(backend)?];
         self.round_to_type(&mut v);
         Ok(v[0])
+    }
+
+    fn some_logits(&self, hidden: &[f32], tokens: &[u32], out: &mut [f32]) -> Result<()> {
+        some_outputs(&self.op, hidden, &self.weight, tokens, out).map_err(backend)?;
+        self.round_to_type(out);
+        Ok(())
     }
 
     fn logits(&self, hidden: &[f32], out: &mut [f32]) -> Result<()> {

@@ -159,6 +159,17 @@ pub fn check_bounds() {
                         "{case}: logit {j} {exact}, bound {b}, |x|_1 max |w_j| / 100 {room}"
                     );
                 }
+                // Several logits at once (`Head::some_logits`: rows four at a time), in any
+                // order and repeated: each logit's bits.
+                let tokens: Vec<u32> = (0..n as u32).rev().step_by(3).chain(0..n as u32).collect();
+                let mut some = vec![f32::NAN; tokens.len()];
+                head.some_logits(x, &tokens, &mut some).unwrap();
+                for (&j, v) in tokens.iter().zip(&some) {
+                    let want = full[j as usize].to_bits();
+                    assert_eq!(v.to_bits(), want, "{case}: some logits, {j}");
+                }
+                let outside = head.some_logits(x, &[0, n as u32], &mut [0.0; 2]);
+                assert!(outside.is_err(), "{case}: logit {n} of {n}");
             }
             // The copy made and the bounds computed in parts (in parallel in the threads
             // build): the same bits.

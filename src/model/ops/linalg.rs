@@ -20,6 +20,29 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
+/// [`dot`] of `x` with each of four rows that lie anywhere: the same sums, the four rows read
+/// side by side (a sampling step's few hundred logits, rows far apart in the `lm_head`).
+pub fn dot_rows4(x: &[f32], rows: [&[f32]; 4]) -> [f32; 4] {
+    let len = rows.iter().fold(x.len(), |len, r| len.min(r.len()));
+    let (x, rows) = (&x[..len], rows.map(|r| &r[..len]));
+    let mut acc = [[0f32; 8]; 4];
+    for (c, xs) in x.chunks_exact(8).enumerate() {
+        for (acc, row) in acc.iter_mut().zip(rows) {
+            let ys = &row[c * 8..c * 8 + 8];
+            for i in 0..8 {
+                acc[i] += xs[i] * ys[i];
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        let mut sum: f32 = acc[r].iter().sum();
+        for i in len / 8 * 8..len {
+            sum += x[i] * rows[r][i];
+        }
+        sum
+    })
+}
+
 /// Four dot products of `x` with the four consecutive `x.len()`-long rows of `w` (one pass
 /// over `x`): [`dot4x2`] for one row, with the same sums.
 pub fn dot4(x: &[f32], w: &[f32]) -> [f32; 4] {

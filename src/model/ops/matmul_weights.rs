@@ -21,8 +21,8 @@ use tract_onnx::tract_hir::internal::*;
 
 use super::linalg::{
     axpy_rows, axpy_rows_f16, dot, dot4, dot4_panel, dot4x2, dot4x2_panel, dot_panel, dot_panels,
-    f16_is_special, f16_panel_to_f32, f16_to_f32_slice, matvec_f16_nk, side_by_side, touch,
-    STREAMS,
+    dot_rows4, f16_is_special, f16_panel_to_f32, f16_to_f32_slice, matvec_f16_nk, side_by_side,
+    touch, STREAMS,
 };
 use super::{initializer_dims, matmul_output_fact, node_label, streams};
 
@@ -267,6 +267,42 @@ pub fn one_output(op: &Weights, x: &[f32], b: &Tensor, j: usize) -> TractResult<
             out[0]
         }
     })
+}
+
+/// [`one_output`] for each output `js[i]` into `out[i]`, the same values; of an f32 `[N, K]`
+/// weight four rows at a time, read side by side ([`dot_rows4`]).
+pub fn some_outputs(
+    op: &Weights,
+    x: &[f32],
+    b: &Tensor,
+    js: &[u32],
+    out: &mut [f32],
+) -> TractResult<()> {
+    let (k, n) = (op.k, op.n);
+    if js.len() != out.len() || js.iter().any(|&j| j as usize >= n) || x.len() != k {
+        bail!(
+            "{}: {} outputs {:?} of a row of {} values (K={k}, N={n})",
+            op.label,
+            out.len(),
+            js.iter().find(|&&j| j as usize >= n),
+            x.len()
+        );
+    }
+    let mut done = 0;
+    if let (W::F32(w), Layout::Nk) = (weight_values(op, b)?, op.layout) {
+        let row = |j: u32| &w[j as usize * k..(j as usize + 1) * k];
+        for (js, out) in js.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
+            out.copy_from_slice(&dot_rows4(
+                x,
+                [row(js[0]), row(js[1]), row(js[2]), row(js[3])],
+            ));
+        }
+        done = js.len() / 4 * 4;
+    }
+    for (&j, out) in js[done..].iter().zip(&mut out[done..]) {
+        *out = one_output(op, x, b, j as usize)?;
+    }
+    Ok(())
 }
 
 /// The values of the op's weight `b`.
