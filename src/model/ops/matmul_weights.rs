@@ -279,14 +279,17 @@ pub fn some_outputs(
     out: &mut [f32],
 ) -> TractResult<()> {
     let (k, n) = (op.k, op.n);
-    if js.len() != out.len() || js.iter().any(|&j| j as usize >= n) || x.len() != k {
+    if js.len() != out.len() || x.len() != k {
         bail!(
-            "{}: {} outputs {:?} of a row of {} values (K={k}, N={n})",
+            "{}: {} outputs asked into {} of a row of {} values (K={k}, N={n})",
             op.label,
+            js.len(),
             out.len(),
-            js.iter().find(|&&j| j as usize >= n),
             x.len()
         );
+    }
+    if let Some(j) = js.iter().find(|&&j| j as usize >= n) {
+        bail!("{}: output {j} of {n}", op.label);
     }
     let mut done = 0;
     if let (W::F32(w), Layout::Nk) = (weight_values(op, b)?, op.layout) {
