@@ -689,15 +689,15 @@ fn bounded_top_k(
     };
     let vocab = logits.vocab;
     let k = k.clamp(1, vocab.max(1));
-    // How many logits of the row are exact, at most (a row of bounds starts with none).
-    let mut exact = match chain.exact_needed(ctx) {
-        Some(tokens) if logits.is_bounded(i) => {
+    // How many logits of the row were made exact, at most (a row of bounds starts with none).
+    let needed = match chain.exact_needed(ctx) {
+        Some(tokens) => {
             logits.make_exact(i, &tokens)?;
             tokens.len()
         }
-        _ => {
+        None => {
             logits.make_row_exact(i)?;
-            vocab
+            0
         }
     };
     let most = (vocab / 8).max(MAX_REFINED_TOP_K);
@@ -711,7 +711,7 @@ fn bounded_top_k(
         // `top_k` keeps at least k scores: with fewer exact logits, some of those it keeps are
         // surely not exact (the first round, mostly), and the cut waits for the next round.
         let mut nan_cut = false;
-        if exact >= k {
+        if !logits.is_bounded(i) || needed + refined >= k {
             let kth = warpers::kth_largest(&scores, k, &mut buf);
             let missing = (0..vocab)
                 .any(|j| warpers::top_k_keeps(scores[j], kth) && !logits.is_exact(i, j as u32));
@@ -734,10 +734,8 @@ fn bounded_top_k(
         // no token were left to make exact (the counts above rule it out: a guard).
         if nan_cut || refined > most || tokens.is_empty() {
             logits.make_row_exact(i)?;
-            exact = vocab;
         } else {
             logits.make_exact(i, &tokens)?;
-            exact += tokens.len();
         }
     }
 }

@@ -264,8 +264,6 @@ impl Chain {
         self.processors.len()
     }
 
-    /// The logits that must be exact for the chain to map upper bounds of the logits to upper
-    /// bounds of its scores (and exact logits to exact scores): `None` for all of them.
     /// The `k` of the chain's `top_k` warper (sampling), if it has one.
     pub fn top_k(&self) -> Option<usize> {
         self.top_k.map(|(_, k)| k)
