@@ -3,12 +3,11 @@
 // (bytes from disk in Node, URLs in the page); this file only times and collects.
 //
 // Both engines: greedy (or with `sample`, sampling with `SAMPLING`), exactly `newTokens` new
-// tokens (min_new_tokens = max_new_tokens, so an
-// end-of-sequence token cannot stop either early), the prompt rendered and tokenized by each
-// engine itself (the chat template is given to transformers.js explicitly: it does not read
-// chat_template.jinja), once to count its ids before the timed call and again inside it (so
-// both engines' template and tokenizer code has run once when the timing starts). Times come
-// from the streaming callback of each engine:
+// tokens (min_new_tokens = max_new_tokens, so an end-of-sequence token cannot stop either
+// early), the prompt rendered and tokenized by each engine itself (the chat template is given
+// to transformers.js explicitly: it does not read chat_template.jinja), once to count its ids
+// before the timed call and again inside it (so both engines' template and tokenizer code has
+// run once when the timing starts). Times come from the streaming callback of each engine:
 //   load      start of loading (runtime init included) to a ready model
 //   ttft      generate() called to the first new token (tokenization + prefill + one step)
 //   decode    the time between consecutive new tokens, 2..N (median)
