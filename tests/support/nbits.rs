@@ -58,11 +58,17 @@ pub fn check_q4_decode() {
         let zp_bytes: Vec<u8> = (0..n * zp_blob).map(|_| next() as u8).collect();
         // Values in [-1, 1], and an outlier sixty times larger every 37 (as activations have).
         // The second group's are subnormal, so that its `32767 / max` overflows to infinity.
+        // The third group's largest is 32767 and the others halves of odd integers: each
+        // `x * 32767 / max` a tie, rounded to even.
         let a: Vec<f32> = (0..k)
             .map(|i| {
                 let v = (next() % 2001) as f32 / 1000.0 - 1.0;
                 if (32..64).contains(&i) {
                     v * 1e-40
+                } else if i == 64 {
+                    32767.0
+                } else if (65..96).contains(&i) {
+                    (i as f32 - 80.0) + 0.5
                 } else if i % 37 == 5 {
                     v * 60.0
                 } else {
