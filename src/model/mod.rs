@@ -15,6 +15,7 @@ pub mod signature;
 pub mod tract_decoder;
 pub mod typing;
 pub mod weights;
+pub mod wellformed;
 
 use std::sync::Arc;
 

@@ -102,8 +102,8 @@ fn apart_buffer(len: usize) -> Option<Tensor> {
     }
 }
 
-/// What follows the decoding of an ONNX file: checks, external data, repeated nodes merged,
-/// the weight rewrites.
+/// What follows the decoding of an ONNX file: external data, checks (`wellformed`), repeated
+/// nodes merged, the weight rewrites.
 pub fn prepare(decoded: Decoded, external: Option<&[u8]>, file_name: &str) -> Result<Decoded> {
     let Decoded {
         mut proto,
@@ -117,6 +117,7 @@ pub fn prepare(decoded: Decoded, external: Option<&[u8]>, file_name: &str) -> Re
         return Err(Error::Model(format!("{file_name} contains an empty graph")));
     }
     inline_external_data(graph, external, file_name)?;
+    super::wellformed::check(graph, file_name)?;
     super::cse::merge_common(graph);
     super::ops::matmul_integer::fuse_scales_in_graph(graph);
     super::weights::rewrite(&mut proto, &mut apart)?;

@@ -260,7 +260,17 @@ impl EvalOp for GqaOp {
         let k = key.as_ref().map(|k| k.try_as_plain_ram()).transpose()?;
         let v = value.as_ref().map(|v| v.try_as_plain_ram()).transpose()?;
         let rotary = match (&cos, &sin) {
-            (Some(c), Some(s)) => Some((c.cast_to::<f32>()?, s.cast_to::<f32>()?)),
+            (Some(c), Some(s)) => {
+                if c.rank() != 2 || c.shape() != s.shape() {
+                    bail!(
+                        "{}: cos_cache {:?} and sin_cache {:?} must share one shape [positions, rotary_dim / 2]",
+                        g.label,
+                        c.shape(),
+                        s.shape()
+                    );
+                }
+                Some((c.cast_to::<f32>()?, s.cast_to::<f32>()?))
+            }
             _ => None,
         };
         let rotary_views = match &rotary {
@@ -574,5 +584,25 @@ mod tests {
     #[test]
     fn gqa_decode_mha() {
         check("gqa_decode_mha");
+    }
+
+    #[test]
+    fn rotary_caches_of_other_shapes_are_an_error() {
+        // cos_cache and sin_cache are inputs 7 and 8.
+        let e = super::super::testing::run_altered("gqa_decode_rotary_interleaved", |inputs| {
+            inputs[8] = inputs[8].slice(0, 0, 1).unwrap();
+        })
+        .expect("sin_cache of one position ran");
+        assert!(
+            e.contains("cos_cache [") && e.contains("must share one shape"),
+            "{e}"
+        );
+        let e = super::super::testing::run_altered("gqa_decode_rotary_interleaved", |inputs| {
+            let n = inputs[7].len();
+            inputs[7] = tract_onnx::prelude::Tensor::from_shape(&[n], &vec![0f32; n]).unwrap();
+            inputs[8] = inputs[7].clone();
+        })
+        .expect("one-axis rotary caches ran");
+        assert!(e.contains("must share one shape [positions"), "{e}");
     }
 }

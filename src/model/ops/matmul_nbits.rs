@@ -211,7 +211,13 @@ impl Expansion for NBits {
         let n = self.n.to_dim();
         s.given(&inputs[0].rank, move |s, rank| {
             let rank = rank as usize;
-            for ax in 0..rank.saturating_sub(1) {
+            if rank == 0 {
+                bail!(
+                    "{}: A is a scalar; expected its last axis to be K",
+                    self.label
+                );
+            }
+            for ax in 0..rank - 1 {
                 s.equals(&outputs[0].shape[ax], &inputs[0].shape[ax])?;
             }
             s.equals(&outputs[0].shape[rank - 1], n.clone())

@@ -337,6 +337,36 @@ pub(crate) mod testing {
         }
     }
 
+    /// Runs the case `name` with its inputs altered by `alter`; the error, if any.
+    pub fn run_altered(name: &str, alter: impl FnOnce(&mut Vec<Tensor>)) -> Option<String> {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ops");
+        let case: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
+        )
+        .unwrap();
+        let mut inputs: Vec<Tensor> = case["inputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(tensor)
+            .collect();
+        alter(&mut inputs);
+        let mut model = super::onnx()
+            .model_for_path(dir.join(format!("{name}.onnx")))
+            .unwrap();
+        for (ix, t) in inputs.iter().enumerate() {
+            model
+                .set_input_fact(ix, InferenceFact::dt_shape(t.datum_type(), t.shape()))
+                .unwrap();
+        }
+        model
+            .into_optimized()
+            .and_then(|m| m.into_runnable())
+            .and_then(|plan| plan.run(inputs.into_iter().map(|t| t.into_tvalue()).collect()))
+            .err()
+            .map(|e| format!("{e:?}"))
+    }
+
     pub fn check(name: &str) {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ops");
         let case: Value = serde_json::from_str(
