@@ -294,20 +294,8 @@ impl GenerationConfig {
                 }
             }
             "do_sample" => self.do_sample = boolean(name, v)?,
-            "num_beams" => {
-                let n = count(name, v)?;
-                if n == 0 {
-                    return invalid!("`num_beams` must be at least 1, got 0");
-                }
-                self.num_beams = n
-            }
-            "num_return_sequences" => {
-                let n = count(name, v)?;
-                if n == 0 {
-                    return invalid!("`num_return_sequences` must be at least 1, got 0");
-                }
-                self.num_return_sequences = n
-            }
+            "num_beams" => self.num_beams = rows_per_prompt(name, v)?,
+            "num_return_sequences" => self.num_return_sequences = rows_per_prompt(name, v)?,
             "temperature" => self.temperature = float(name, v)?,
             "top_k" => self.top_k = count(name, v)?,
             "top_p" => self.top_p = float(name, v)?,
@@ -424,9 +412,25 @@ fn count(name: &str, v: &Value) -> Result<usize> {
     }
 }
 
+/// The most rows of the decoder's batch that one prompt may become (`num_beams`,
+/// `num_return_sequences`): each row has its own cache and logits, and a count past this is
+/// a mistake that would end in an allocation failure, which aborts the wasm instance.
+pub const MAX_ROWS_PER_PROMPT: usize = 1024;
+
+fn rows_per_prompt(name: &str, v: &Value) -> Result<usize> {
+    match count(name, v)? {
+        0 => invalid!("`{name}` must be at least 1, got 0"),
+        n if n > MAX_ROWS_PER_PROMPT => invalid!(
+            "`{name}` must be at most {MAX_ROWS_PER_PROMPT} (rows of the decoder's batch per prompt), got {n}"
+        ),
+        n => Ok(n),
+    }
+}
+
 fn float(name: &str, v: &Value) -> Result<f32> {
     match v.as_f64() {
-        Some(x) if x.is_finite() => Ok(x as f32),
+        // Finite as f32 too: 1e300 is not a temperature.
+        Some(x) if (x as f32).is_finite() => Ok(x as f32),
         _ => invalid!("`{name}` must be a finite number, got {v}"),
     }
 }

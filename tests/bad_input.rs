@@ -160,6 +160,23 @@ fn bad_requests_leave_the_model_usable() {
             json!({"eos_token_id": "two"}),
             "`eos_token_id`",
         ),
+        // Found by `random_options_end_in_a_result_or_an_error`: 2^32 beams aborted on their
+        // allocation; 1e300 was an infinite temperature.
+        (
+            vec![HELLO.to_vec()],
+            json!({"num_beams": 4294967296u64}),
+            "`num_beams` must be at most 1024",
+        ),
+        (
+            vec![HELLO.to_vec()],
+            json!({"do_sample": true, "num_return_sequences": 1025}),
+            "`num_return_sequences` must be at most 1024",
+        ),
+        (
+            vec![HELLO.to_vec()],
+            json!({"temperature": 1e300}),
+            "`temperature` must be a finite number, got 1e+300",
+        ),
     ];
     for (prompts, opts, expected) in cases {
         let err = model
@@ -212,4 +229,104 @@ fn plans_do_not_grow_with_generation_length() {
         1,
         "a 200-token generation must reuse the one plan"
     );
+}
+
+/// Requests with options drawn at random (one to three of the options the engine knows, each
+/// with a value from a pool of odd ones: zero, negatives, huge numbers, wrong types, empty and
+/// out-of-vocabulary lists) end in a result or an `InvalidInput` (or `Unsupported`) error,
+/// never a panic, and the model generates the golden tokens after each error. Deterministic
+/// draws (xorshift64 from a fixed seed), 1,500 (`OPTIONS_DRAWS=n` for more);
+/// `OPTIONS_TRACE=1` prints each request first (an allocation failure aborts the process
+/// without a message).
+#[test]
+fn random_options_end_in_a_result_or_an_error() {
+    use onnx_generate::config::{OPTION_NAMES, UNSUPPORTED_NAMES};
+    let names: Vec<&str> = OPTION_NAMES
+        .iter()
+        .chain(UNSUPPORTED_NAMES)
+        .copied()
+        .collect();
+    let values = [
+        json!(0),
+        json!(1),
+        json!(2),
+        json!(3),
+        json!(-1),
+        json!(0.5),
+        json!(1.5),
+        json!(-0.5),
+        json!(1e9),
+        json!(1e300),
+        json!(511),
+        json!(512),
+        json!(4294967296u64),
+        json!(true),
+        json!(false),
+        json!(null),
+        json!("never"),
+        json!("x"),
+        json!(""),
+        json!([]),
+        json!([[]]),
+        json!([1, 2]),
+        json!([[411, 403], [197]]),
+        json!([[-1]]),
+        json!([[600]]),
+        json!([3, 1.5]),
+        json!([1e9, 0.5]),
+        json!({"411": 2.0}),
+        json!({"x": 1.0}),
+        json!([[[411], -5.0]]),
+        json!(["hello", ""]),
+        json!({}),
+    ];
+    let model = Model::load(&llama_files()).unwrap();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let (mut ok, mut errors) = (0, 0);
+    let draws = std::env::var("OPTIONS_DRAWS").map_or(1500, |n| n.parse().unwrap());
+    for _ in 0..draws {
+        let mut opts = Map::new();
+        opts.insert("max_new_tokens".into(), json!(4));
+        for _ in 0..1 + next(3) {
+            let name = names[next(names.len())];
+            opts.insert(name.into(), values[next(values.len())].clone());
+        }
+        let described = Value::Object(opts.clone()).to_string();
+        if std::env::var_os("OPTIONS_TRACE").is_some() {
+            eprintln!("trying {described}");
+        }
+        // At most eight steps, then an abort: options may ask for billions of tokens.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let prompts = [HELLO.to_vec(), vec![7, 9]];
+            let mut generation = onnx_generate::Generation::new(&model, &prompts, &opts, vec![])?;
+            for _ in 0..8 {
+                if generation.is_finished() {
+                    break;
+                }
+                generation.step(&model)?;
+            }
+            generation.abort();
+            generation.output(&model)
+        }))
+        .unwrap_or_else(|_| panic!("options {described} panicked"));
+        match result {
+            Ok(_) => ok += 1,
+            Err(Error::InvalidInput(_) | Error::Unsupported(_)) => {
+                errors += 1;
+                assert_still_works(&model);
+            }
+            Err(e) => {
+                panic!("options {described}: an error of the engine, not of the request: {e}")
+            }
+        }
+    }
+    eprintln!("{ok} results, {errors} errors");
+    // Both outcomes are drawn often enough to mean something.
+    assert!(ok > 50 && errors > 50, "{ok} results, {errors} errors");
 }
