@@ -1,8 +1,10 @@
 //! A malformed model is an error, never a panic (a panic in wasm kills the instance): the
 //! fixtures' graphs altered one edit at a time (an attribute, an initializer's shape, type or
-//! data, a node's inputs or outputs, a node removed, a graph input's type or shape), each loaded and, where
-//! it loads, asked for a few greedy tokens. Deterministic edits from a fixed seed, 1,500 a graph
-//! (`MUTATED_EDITS=n` for more).
+//! data, a node's inputs or outputs, a node removed, a graph input's type or shape), and their
+//! `config.json`, `generation_config.json` and `tokenizer.json` (a value replaced by an odd one,
+//! or removed), each loaded and, where it loads, asked for three greedy tokens. Deterministic
+//! edits from fixed seeds, 1,500 a graph and 300 a model's JSON files (`MUTATED_EDITS=n` for
+//! more).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -267,9 +269,9 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// Loads `files` and asks for three greedy tokens; a panic is returned as its place and
+/// Loads `files` and asks for three greedy tokens: whether it loaded, or a panic's place and
 /// message.
-fn run(files: &ModelFiles) -> Result<(), ((String, u32), String)> {
+fn run(files: &ModelFiles) -> Result<bool, ((String, u32), String)> {
     static HOOK: std::sync::Once = std::sync::Once::new();
     HOOK.call_once(|| {
         let default = std::panic::take_hook();
@@ -289,11 +291,13 @@ fn run(files: &ModelFiles) -> Result<(), ((String, u32), String)> {
     });
     PANICKED_AT.with(|p| *p.borrow_mut() = Some(None));
     let result = catch_unwind(AssertUnwindSafe(|| {
-        if let Ok(model) = Model::load(files) {
-            let options: Map<String, Value> =
-                json!({"max_new_tokens": 3}).as_object().cloned().unwrap();
-            let _ = model.generate(&[vec![1, 5, 9]], &options, |_| {});
-        }
+        let Ok(model) = Model::load(files) else {
+            return false;
+        };
+        let options: Map<String, Value> =
+            json!({"max_new_tokens": 3}).as_object().cloned().unwrap();
+        let _ = model.generate(&[vec![1, 5, 9]], &options, |_| {});
+        true
     }))
     .map_err(|p| {
         let message = p
@@ -312,7 +316,7 @@ fn no_panics(name: &str, seed: u64, edits: usize) {
     let files = fixture(name);
     let proto = <pb::ModelProto as prost::Message>::decode(&files.model[..]).unwrap();
     let mut s = Stream(seed);
-    let (mut panics, mut tract) = (vec![], 0);
+    let (mut panics, mut tract, mut loaded) = (vec![], 0, 0);
     let edits = std::env::var("MUTATED_EDITS").map_or(edits, |n| n.parse().unwrap());
     for i in 0..edits {
         let mut p = proto.clone();
@@ -320,7 +324,7 @@ fn no_panics(name: &str, seed: u64, edits: usize) {
         let mut f = files.clone();
         f.model = prost::Message::encode_to_vec(&p);
         match run(&f) {
-            Ok(()) => {}
+            Ok(l) => loaded += l as usize,
             Err(((file, line), _))
                 if TRACT_PANICS
                     .iter()
@@ -333,12 +337,17 @@ fn no_panics(name: &str, seed: u64, edits: usize) {
             )),
         }
     }
-    eprintln!("{name}: {edits} edits, {tract} of them panicked in tract as listed");
+    eprintln!("{name}: {edits} edits, {loaded} graphs loaded, {tract} panicked in tract as listed");
     assert!(
         panics.is_empty(),
         "{} panics:\n{}",
         panics.len(),
         panics.join("\n")
+    );
+    // Edits that keep the graph loadable exercise generation too.
+    assert!(
+        loaded * 10 > edits,
+        "{loaded} of {edits} altered graphs loaded"
     );
 }
 
@@ -380,4 +389,118 @@ fn a_scalar_times_a_weight_is_an_error() {
         e.contains("A is a scalar; expected its last axis to be K"),
         "{e}"
     );
+}
+
+/// Every place in `v` (JSON pointers), the root included.
+fn pointers(v: &Value, at: String, into: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                pointers(
+                    x,
+                    format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")),
+                    into,
+                );
+            }
+        }
+        Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                pointers(x, format!("{at}/{i}"), into);
+            }
+        }
+        _ => {}
+    }
+    into.push(at);
+}
+
+/// One edit of a JSON file: a value replaced by an odd one, or removed.
+fn edit_json(v: &mut Value, s: &mut Stream) -> String {
+    let odd = [
+        json!(0),
+        json!(-1),
+        json!(1),
+        json!(2),
+        json!(7),
+        json!(1e9),
+        json!(4294967296u64),
+        json!(1.5),
+        json!(-0.5),
+        json!(1e300),
+        json!(null),
+        json!(true),
+        json!("x"),
+        json!(""),
+        json!([]),
+        json!({}),
+        json!([1, 2]),
+        json!([-1]),
+    ];
+    let mut all = vec![];
+    pointers(v, String::new(), &mut all);
+    let at = all[s.below(all.len())].clone();
+    if s.below(4) == 0 && !at.is_empty() {
+        let (parent, key) = at.rsplit_once('/').unwrap();
+        match v.pointer_mut(parent) {
+            Some(Value::Object(m)) => {
+                m.remove(&key.replace("~1", "/").replace("~0", "~"));
+            }
+            Some(Value::Array(a)) => {
+                a.remove(key.parse::<usize>().unwrap());
+            }
+            _ => {}
+        }
+        return format!("{at} removed");
+    }
+    let new = odd[s.below(odd.len())].clone();
+    let described = format!("{at} = {new}");
+    *v.pointer_mut(&at).unwrap() = new;
+    described
+}
+
+/// `config.json`, `generation_config.json` and `tokenizer.json` of the fixture `name`, one
+/// edit at a time: none may panic (tract's inference is not involved: the graph is intact, so
+/// no panic is allowed at all).
+fn no_panics_in_json(name: &str, seed: u64, edits: usize) {
+    let files = fixture(name);
+    let mut s = Stream(seed);
+    let (mut panics, mut loaded) = (vec![], 0);
+    let edits = std::env::var("MUTATED_EDITS").map_or(edits, |n| n.parse().unwrap());
+    for i in 0..edits {
+        let mut f = files.clone();
+        let (file_name, bytes) = match s.below(5) {
+            0 | 1 => ("config.json", &mut f.config),
+            2 | 3 => match f.generation_config.as_mut() {
+                Some(g) => ("generation_config.json", g),
+                None => ("config.json", &mut f.config),
+            },
+            _ => ("tokenizer.json", &mut f.tokenizer),
+        };
+        let mut v: Value = serde_json::from_slice(bytes).unwrap();
+        let what = edit_json(&mut v, &mut s);
+        *bytes = serde_json::to_vec(&v).unwrap();
+        match run(&f) {
+            Ok(l) => loaded += l as usize,
+            Err(((file, line), message)) => panics.push(format!(
+                "{name} edit {i} ({file_name}: {what}): {file}:{line}: {message}"
+            )),
+        }
+    }
+    eprintln!("{name}: {edits} edits of its JSON files, {loaded} models loaded");
+    assert!(
+        loaded * 10 > edits,
+        "{loaded} of {edits} altered models loaded"
+    );
+    assert!(
+        panics.is_empty(),
+        "{} panics:\n{}",
+        panics.len(),
+        panics.join("\n")
+    );
+}
+
+#[test]
+fn altered_json_files_never_panic() {
+    no_panics_in_json("llama", 0x6a09_e667_f3bc_c908, 300);
+    no_panics_in_json("llama-genai", 0xbb67_ae85_84ca_a73b, 300);
+    no_panics_in_json("gpt2", 0x3c6e_f372_fe94_f82b, 300);
 }
