@@ -41,7 +41,7 @@ pub struct Decoded {
 }
 
 /// The tract type of an ONNX data type, when it is a number (every bit pattern a value).
-fn number_type(data_type: i32) -> Option<DatumType> {
+pub(crate) fn number_type(data_type: i32) -> Option<DatumType> {
     pb::tensor_proto::DataType::try_from(data_type)
         .ok()
         .and_then(|d| d.try_into().ok())

@@ -2,15 +2,16 @@
 //! panics (or allocates without end) on a graph that breaks it, and a panic in wasm kills the
 //! instance; so a malformed file is refused here with an error that names the node or tensor:
 //! every name a node reads and every output of the graph is defined (an input, an initializer,
-//! a node's output, or a name of an enclosing graph for a subgraph), every node has outputs and
-//! every node but a source reads something, every tensor's dimensions are non-negative and their
-//! product fits in memory's addresses, `axis` and `axes` attributes are within the 64 axes a
-//! tensor may have, and a `Transpose`'s `perm` is a permutation.
+//! a node's output, or a name of an enclosing graph for a subgraph), every node has outputs
+//! and every node but a source reads something, every tensor's dimensions are non-negative
+//! and their product fits in memory's addresses, `axis` and `axes` attributes are within the
+//! 64 axes a tensor may have, and a `Transpose`'s `perm` is a permutation.
 
 use std::collections::HashSet;
 
 use tract_onnx::pb;
 
+use super::onnx::number_type;
 use super::ops::node_label;
 use crate::error::{Error, Result};
 
@@ -115,17 +116,23 @@ fn check_graph<'a>(
     Ok(())
 }
 
-/// Dimensions non-negative, their product (in bytes, at most 8 a value) an address.
+/// Dimensions non-negative, their product in bytes (8 a value of a type that is not a
+/// number) an address.
 fn check_tensor(t: &pb::TensorProto) -> std::result::Result<(), String> {
-    let count = t.dims.iter().try_fold(8usize, |n, &d| {
+    let size = number_type(t.data_type).map_or(8, |dt| dt.size_of());
+    let bytes = t.dims.iter().try_fold(size, |n, &d| {
         usize::try_from(d)
             .ok()
             .and_then(|d| n.checked_mul(d))
             .filter(|&n| n <= isize::MAX as usize)
     });
-    match count {
+    match bytes {
         Some(_) => Ok(()),
-        None => Err(format!("tensor '{}' has dimensions {:?}", t.name, t.dims)),
+        None => Err(format!(
+            "tensor '{}' has dimensions {:?}; expected non-negative ones whose product fits in \
+             memory",
+            t.name, t.dims
+        )),
     }
 }
 
