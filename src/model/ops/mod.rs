@@ -337,60 +337,46 @@ pub(crate) mod testing {
         }
     }
 
-    /// Runs the case `name` with its inputs altered by `alter`; the error, if any.
-    pub fn run_altered(name: &str, alter: impl FnOnce(&mut Vec<Tensor>)) -> Option<String> {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ops");
-        let case: Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
-        )
-        .unwrap();
-        let mut inputs: Vec<Tensor> = case["inputs"]
+    /// The case `name`: its JSON (inputs, outputs) and its inputs as tensors.
+    fn case(name: &str) -> (Value, Vec<Tensor>) {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/ops")
+            .join(format!("{name}.json"));
+        let case: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let inputs = case["inputs"]
             .as_array()
             .unwrap()
             .iter()
             .map(tensor)
             .collect();
-        alter(&mut inputs);
-        let mut model = super::onnx()
-            .model_for_path(dir.join(format!("{name}.onnx")))
-            .unwrap();
+        (case, inputs)
+    }
+
+    /// The graph of the case `name`, typed for `inputs` and optimised, run on them.
+    fn run(name: &str, inputs: Vec<Tensor>) -> TractResult<TVec<TValue>> {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/ops")
+            .join(format!("{name}.onnx"));
+        let mut model = super::onnx().model_for_path(path)?;
         for (ix, t) in inputs.iter().enumerate() {
-            model
-                .set_input_fact(ix, InferenceFact::dt_shape(t.datum_type(), t.shape()))
-                .unwrap();
+            model.set_input_fact(ix, InferenceFact::dt_shape(t.datum_type(), t.shape()))?;
         }
         model
-            .into_optimized()
-            .and_then(|m| m.into_runnable())
-            .and_then(|plan| plan.run(inputs.into_iter().map(|t| t.into_tvalue()).collect()))
-            .err()
-            .map(|e| format!("{e:?}"))
+            .into_optimized()?
+            .into_runnable()?
+            .run(inputs.into_iter().map(|t| t.into_tvalue()).collect())
+    }
+
+    /// Runs the case `name` with its inputs altered by `alter`; the error, if any.
+    pub fn run_altered(name: &str, alter: impl FnOnce(&mut Vec<Tensor>)) -> Option<String> {
+        let (_, mut inputs) = case(name);
+        alter(&mut inputs);
+        run(name, inputs).err().map(|e| format!("{e:?}"))
     }
 
     pub fn check(name: &str) {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ops");
-        let case: Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
-        )
-        .unwrap();
-        let mut model = super::onnx()
-            .model_for_path(dir.join(format!("{name}.onnx")))
-            .unwrap();
-        let inputs: Vec<Tensor> = case["inputs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(tensor)
-            .collect();
-        for (ix, t) in inputs.iter().enumerate() {
-            model
-                .set_input_fact(ix, InferenceFact::dt_shape(t.datum_type(), t.shape()))
-                .unwrap();
-        }
-        let plan = model.into_optimized().unwrap().into_runnable().unwrap();
-        let outputs = plan
-            .run(inputs.into_iter().map(|t| t.into_tvalue()).collect())
-            .unwrap();
+        let (case, inputs) = case(name);
+        let outputs = run(name, inputs).unwrap();
         let valid: Option<Vec<usize>> = case["present_valid"]
             .as_array()
             .map(|v| v.iter().map(|x| x.as_u64().unwrap() as usize).collect());
