@@ -114,17 +114,11 @@ impl Expansion for Weights {
         s.equals(&outputs[0].rank, &inputs[0].rank)?;
         let n = self.n.to_dim();
         s.given(&inputs[0].rank, move |s, rank| {
-            let rank = rank as usize;
-            if rank == 0 {
-                bail!(
-                    "{}: A is a scalar; expected its last axis to be K",
-                    self.label
-                );
-            }
-            for ax in 0..rank - 1 {
+            let last = super::last_axis(rank, &self.label)?;
+            for ax in 0..last {
                 s.equals(&outputs[0].shape[ax], &inputs[0].shape[ax])?;
             }
-            s.equals(&outputs[0].shape[rank - 1], n.clone())
+            s.equals(&outputs[0].shape[last], n.clone())
         })
     }
 

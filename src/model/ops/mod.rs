@@ -107,6 +107,16 @@ impl TractBuilder {
     }
 }
 
+/// The last axis of a weight product's `A` of `rank` axes (its `K`): an error for a scalar.
+pub(crate) fn last_axis(rank: i64, label: &str) -> TractResult<usize> {
+    match rank {
+        r if r > 0 => Ok(r as usize - 1),
+        _ => Err(format_err!(
+            "{label}: A is a scalar; expected its last axis to be K"
+        )),
+    }
+}
+
 /// The output fact of `A x W` with a weight of `n` columns: A's shape with its last axis `n`.
 pub(crate) fn matmul_output_fact(a: &TypedFact, n: usize) -> TypedFact {
     let mut shape: Vec<TDim> = a.shape.iter().cloned().collect();
