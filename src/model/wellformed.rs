@@ -62,6 +62,7 @@ fn check_graph<'a>(
                 "{label} reads '{name}', which no input, initializer or node of the graph defines"
             ));
         }
+        let beyond = |v: &i64| !(-MAX_RANK..MAX_RANK).contains(v);
         for attr in &node.attribute {
             for t in attr.t.iter().chain(&attr.tensors) {
                 check_tensor(t).map_err(|e| format!("{label}, attribute {}: {e}", attr.name))?;
@@ -70,18 +71,16 @@ fn check_graph<'a>(
                 check_graph(g, &defined)
                     .map_err(|e| format!("{label}, subgraph {}: {e}", attr.name))?;
             }
-        }
-        let beyond = |v: &i64| !(-MAX_RANK..MAX_RANK).contains(v);
-        for a in &node.attribute {
-            if (a.name == "axis" || a.name == "axes") && (beyond(&a.i) || a.ints.iter().any(beyond))
+            if (attr.name == "axis" || attr.name == "axes")
+                && (beyond(&attr.i) || attr.ints.iter().any(beyond))
             {
-                let value = match a.ints.is_empty() {
-                    true => a.i.to_string(),
-                    false => format!("{:?}", a.ints),
+                let value = match attr.ints.is_empty() {
+                    true => attr.i.to_string(),
+                    false => format!("{:?}", attr.ints),
                 };
                 return Err(format!(
                     "{label}: {} {value} is beyond the {MAX_RANK} axes a tensor may have",
-                    a.name
+                    attr.name
                 ));
             }
         }
